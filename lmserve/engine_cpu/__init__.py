@@ -1,0 +1,6 @@
+"""NumPy implementation of the Engine protocol: runs anywhere, float32 throughout."""
+
+from lmserve.engine_cpu.cache import CacheFullError, CPUCache
+from lmserve.engine_cpu.engine import CPUEngine
+
+__all__ = ["CPUCache", "CPUEngine", "CacheFullError"]

@@ -1,0 +1,177 @@
+"""`lmserve-mac [model.gguf]`: flags, model loading with progress, the banner, and uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import uvicorn
+
+from lmserve import __version__
+from lmserve.model.gguf_file import ModelLoadError
+
+DEFAULT_CTX_CAP = 8192
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lmserve-mac", description=(
+        "Serve one GGUF model behind the OpenAI Chat Completions, OpenAI Responses and Anthropic "
+        "Messages APIs. Without a model, serves the embedded SmolLM2-135M-Instruct."))
+    p.add_argument("model", nargs="?", help="path to a .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    p.add_argument("--ctx", type=int, default=None,
+                   help=f"context size in tokens (default: the model's, capped at {DEFAULT_CTX_CAP})")
+    p.add_argument("--engine", choices=("auto", "cpu", "mlx"), default="auto",
+                   help="auto: MLX when it has a GPU, else the NumPy engine")
+    p.add_argument("--queue", type=int, default=16, help="requests that may wait for the worker (default 16)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    p.add_argument("--conns", type=int, default=32, help="concurrent connections; beyond, 503 (default 32)")
+    p.add_argument("--api-key", default=os.environ.get("LMSERVE_API_KEY"),
+                   help="require this key (Authorization: Bearer or x-api-key); env LMSERVE_API_KEY")
+    p.add_argument("--allow-host", action="append", default=[], metavar="HOST",
+                   help="accept this Host header on a loopback bind (repeatable)")
+    p.add_argument("--max-body", type=int, default=None,
+                   help="largest request body in bytes; beyond, 413 (default: sized for the context)")
+    p.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
+                   help="allow cross-origin requests from ORIGIN (repeatable; off by default)")
+    p.add_argument("--version", action="version", version=f"lmserve {__version__}")
+    return p.parse_args(argv)
+
+
+class LoadProgress:
+    """A progress bar on a terminal, a few plain lines otherwise."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.tty = sys.stderr.isatty()
+        self._last_quarter = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        frac = done / total if total else 1.0
+        if self.tty:
+            bar = "#" * int(frac * 30)
+            sys.stderr.write(f"\r{self.label} [{bar:<30}] {done}/{total}")
+            if done >= total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+        elif int(frac * 4) > self._last_quarter:
+            self._last_quarter = int(frac * 4)
+            print(f"{self.label}: {int(frac * 100)}%", file=sys.stderr, flush=True)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"lmserve: cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def banner(runtime, ready_s: float) -> str:
+    cfg = runtime.model.config
+    engine = runtime.engine
+    mix = ", ".join(f"{k} x{v}" for k, v in cfg.quant_mix.items())
+    rows = [
+        ("model", f"{runtime.model.model_id} ({runtime.model.path})"),
+        ("architecture", f"{cfg.architecture}, {cfg.n_layers} layers, {cfg.n_params / 1e6:.0f}M parameters"),
+        ("quant mix", mix),
+        ("engine", f"{engine.name} on {engine.device}"),
+        ("context", f"{runtime.ctx} tokens (trained {cfg.context_length})"),
+        ("weights", human_bytes(engine.weight_bytes)),
+        ("batch / queue", f"{runtime.options.max_batch} / {runtime.options.max_queue}"),
+        ("listening", f"http://{runtime.options.host}:{runtime.options.port}"),
+        ("ready in", f"{ready_s:.2f} s"),
+    ]
+    summary = getattr(engine, "quant_summary", "")
+    if summary:
+        rows.insert(3, ("conversion", summary))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join([f"lmserve {__version__}"] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def default_max_body(ctx: int) -> int:
+    """Room for a full context of text with JSON overhead and tool schemas, at least 4 MiB."""
+    return max(4 * 1024 * 1024, ctx * 64)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn.Server whose exit signal also stops the worker, so open streams end at once with a
+    terminal error event instead of holding shutdown until they finish."""
+
+    def __init__(self, config: uvicorn.Config, runtime) -> None:
+        super().__init__(config)
+        self.runtime = runtime
+
+    def handle_exit(self, sig, frame) -> None:
+        self.runtime.scheduler.request_stop()
+        super().handle_exit(sig, frame)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        serve(args)
+    except ModelLoadError as exc:
+        raise SystemExit(f"lmserve: {exc}") from None
+
+
+def serve(args: argparse.Namespace) -> None:
+    from lmserve.engine.select import load_engine
+    from lmserve.http.app import create_app
+    from lmserve.http.guard import Guard, GuardOptions, is_loopback_host
+    from lmserve.model.default_model import default_model_path
+    from lmserve.model.loader import load_model
+    from lmserve.runtime import Runtime, ServerOptions
+
+    process_start = psutil.Process().create_time()
+    loopback = is_loopback_host(args.host)
+    if not loopback and not args.api_key:
+        raise SystemExit(f"lmserve: refusing to listen on non-loopback address {args.host} without an API key "
+                         "(pass --api-key or set LMSERVE_API_KEY)")
+    path = Path(args.model) if args.model else default_model_path()
+    sock = bind_socket(args.host, args.port)
+    model = load_model(path)
+    ctx = args.ctx or min(model.config.context_length, DEFAULT_CTX_CAP)
+    if ctx < 16:
+        raise SystemExit(f"lmserve: --ctx {ctx} is too small (at least 16)")
+    engine = load_engine(args.engine, model.gguf, model.config, LoadProgress("loading weights"))
+    options = ServerOptions(host=args.host, port=args.port, ctx=ctx, max_queue=args.queue,
+                            max_batch=args.batch, api_key=args.api_key)
+    runtime = Runtime(model, engine, options)
+    runtime.start()
+    guard = GuardOptions(api_key=args.api_key, max_conns=args.conns,
+                         max_body=args.max_body or default_max_body(ctx),
+                         check_host=loopback, allowed_hosts=set(args.allow_host))
+    app = Guard(create_app(runtime, cors_origins=args.cors), guard)
+    ready_s = time.time() - process_start
+    print(banner(runtime, ready_s), flush=True)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3, lifespan="off")
+    server = GracefulServer(config, runtime)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        runtime.stop()
+
+
+if __name__ == "__main__":
+    main()

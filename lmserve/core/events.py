@@ -1,0 +1,62 @@
+"""Dialect-neutral generation events: the one stream every dialect renders into its own frames."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token's log-probability and its strongest alternatives (OpenAI's shape)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Answer text that is final: it can no longer turn into a stop string."""
+
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The end of a reply. reason: "stop" (end of turn or stop string) or "length"."""
+
+    reason: str
+    usage: Usage
+    stop_sequence: str | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request failed inside the worker; status is what an HTTP answer would carry."""
+
+    message: str
+    status: int = 500
+    error_type: str = "server_error"
+
+
+Event = TextDelta | Finished | Failed

@@ -1,0 +1,63 @@
+"""A generation job and the channel that carries its events from the worker to its connection.
+
+The worker thread never touches a socket: it puts events into the job's channel, an unbounded
+asyncio queue on the connection's event loop, so a client that stops reading stalls only itself.
+The buffer is bounded all the same, by the job's max_tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from dataclasses import dataclass, field
+
+from lmserve.core.events import Event, Failed, Finished
+from lmserve.core.types import SamplingParams
+
+
+class EventChannel:
+    """Thread -> event loop hand-off for one job's events."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def put(self, event: Event) -> None:
+        """Called from the worker thread."""
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    async def get(self) -> Event:
+        return await self._queue.get()
+
+
+@dataclass
+class GenerationJob:
+    """Everything the worker needs to run one request, already tokenized and validated."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    channel: EventChannel
+    stop: list[str] = field(default_factory=list)
+    session_id: str | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    done: bool = False
+
+    def cancel(self) -> None:
+        """Ask the worker to drop this job (client gone); safe from any thread, idempotent."""
+        self.cancelled.set()
+
+    def emit(self, event: Event) -> None:
+        if isinstance(event, Finished | Failed):
+            self.done = True
+        self.channel.put(event)
+
+    async def events(self):
+        """Yield events until the terminal one (Finished or Failed)."""
+        while True:
+            event = await self.channel.get()
+            yield event
+            if isinstance(event, Finished | Failed):
+                return

@@ -1,0 +1,99 @@
+"""Next-token selection on host logits, shared by every engine.
+
+Order (as llama.cpp): logit bias, repetition penalties, then greedy argmax or
+temperature -> top-k -> top-p -> min-p -> draw from a per-request seeded generator.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+
+from lmserve.core.events import TokenLogprob, TopLogprob
+from lmserve.core.types import SamplingParams
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+class Sampler:
+    """One request's sampling state: its parameters, its random generator, its token history."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int] | None = None) -> None:
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+        self._recent: list[int] = list(prompt_ids or [])[-params.repeat_last_n:] if params.repeat_last_n else []
+        self._counts: Counter[int] = Counter()
+        if params.logit_bias:
+            self._bias_ids = np.fromiter(params.logit_bias.keys(), dtype=np.int64)
+            self._bias_values = np.fromiter(params.logit_bias.values(), dtype=np.float32)
+
+    def adjust(self, logits: np.ndarray) -> np.ndarray:
+        """Bias and penalties applied to a copy of the logits (the distribution logprobs report)."""
+        p = self.params
+        if not (p.logit_bias or p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
+            return logits
+        logits = logits.astype(np.float32, copy=True)
+        if p.logit_bias:
+            logits[self._bias_ids] += self._bias_values
+        if p.repeat_penalty != 1.0 and self._recent:
+            ids = np.unique(np.asarray(self._recent))
+            vals = logits[ids]
+            logits[ids] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and self._counts:
+            ids = np.fromiter(self._counts.keys(), dtype=np.int64)
+            counts = np.fromiter(self._counts.values(), dtype=np.float32)
+            logits[ids] -= counts * p.frequency_penalty + p.presence_penalty
+        return logits
+
+    def pick(self, logits: np.ndarray) -> int:
+        """Choose the next token from already adjusted logits."""
+        p = self.params
+        if p.greedy:
+            return int(np.argmax(logits))
+        scaled = logits.astype(np.float64) / p.temperature
+        candidates = np.arange(scaled.size)
+        if 0 < p.top_k < scaled.size:
+            candidates = np.argpartition(-scaled, p.top_k)[: p.top_k]
+        order = candidates[np.argsort(-scaled[candidates], kind="stable")]
+        probs = np.exp(scaled[order] - scaled[order[0]])
+        probs /= probs.sum()
+        keep = probs.size
+        if p.top_p < 1.0:
+            keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
+        if p.min_p > 0.0:
+            keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
+        probs = probs[:keep] / probs[:keep].sum()
+        return int(order[self.rng.choice(keep, p=probs)])
+
+    def accept(self, token_id: int) -> None:
+        """Record a generated token for the penalties."""
+        if self.params.repeat_last_n:
+            self._recent.append(token_id)
+            if len(self._recent) > self.params.repeat_last_n:
+                del self._recent[0]
+        self._counts[token_id] += 1
+
+    def sample(self, logits: np.ndarray) -> tuple[int, np.ndarray]:
+        """Adjust, pick and record; returns the token and the adjusted logits."""
+        adjusted = self.adjust(logits)
+        token = self.pick(adjusted)
+        self.accept(token)
+        return token, adjusted
+
+
+def token_logprob(
+    adjusted: np.ndarray, token_id: int, top_n: int, piece: Callable[[int], str], token_bytes: Callable[[int], bytes]
+) -> TokenLogprob:
+    """OpenAI-shaped log-probability of the chosen token and the `top_n` most likely tokens."""
+    lp = log_softmax(adjusted.astype(np.float64))
+    top: list[TopLogprob] = []
+    if top_n > 0:
+        best = np.argpartition(-lp, top_n)[:top_n]
+        best = best[np.argsort(-lp[best], kind="stable")]
+        top = [TopLogprob(piece(int(i)), float(lp[i]), list(token_bytes(int(i)))) for i in best]
+    return TokenLogprob(piece(token_id), float(lp[token_id]), list(token_bytes(token_id)), top)

@@ -1,0 +1,131 @@
+"""The NumPy engine: the Engine protocol on dequantized float32 weights, for any CPU.
+
+A step stacks the hidden states of every row it advances (all prompt tokens in prefill, one token
+per sequence in batched decode), so each weight matrix is read once per step; only attention runs
+per sequence, over that sequence's own cache.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from lmserve.engine.protocol import KVCache
+from lmserve.engine_cpu import ops
+from lmserve.engine_cpu.cache import CPUCache
+from lmserve.engine_cpu.weights import load_weights
+from lmserve.model.config import ModelConfig
+from lmserve.model.gguf_file import GGUFFile
+
+PREFILL_CHUNK = 256  # prompt tokens per forward pass: bounds the attention scores' memory
+
+
+class CPUEngine:
+    """Llama, Qwen2 and Qwen3 models on NumPy float32."""
+
+    name = "cpu"
+
+    def __init__(self, gguf: GGUFFile, config: ModelConfig,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.config = config
+        self.weights = load_weights(gguf, config, progress)
+        self.weight_bytes = self.weights.nbytes
+        self.device = f"numpy float32 ({len(os.sched_getaffinity(0))} cpus)"
+
+    # -- caches ------------------------------------------------------------------------------
+
+    def new_cache(self, max_tokens: int) -> CPUCache:
+        return CPUCache(self.config, max_tokens)
+
+    def truncate(self, cache: KVCache, n: int) -> None:
+        _own(cache).truncate(n)
+
+    def copy_prefix(self, src: KVCache, dst: KVCache, n: int) -> None:
+        _own(src).copy_prefix_to(_own(dst), n)
+
+    def save_cache(self, cache: KVCache, path: Path) -> None:
+        _own(cache).save(path)
+
+    def load_cache(self, path: Path, max_tokens: int) -> CPUCache:
+        return CPUCache.load(self.config, path, max_tokens)
+
+    # -- inference ---------------------------------------------------------------------------
+
+    def prefill(self, cache: KVCache, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        c = _own(cache)
+        ids = self._check_ids(token_ids)
+        if len(ids) == 0:
+            raise ValueError("prefill needs at least one token")
+        c.reserve(c.length + len(ids))
+        logits = []
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[start:start + PREFILL_CHUNK]
+            h = self._forward(chunk, [c])
+            if all_logits:
+                logits.append(self._logits(h))
+        return np.concatenate(logits) if all_logits else self._logits(h[-1:])[0]
+
+    def decode(self, caches: Sequence[KVCache], token_ids: Sequence[int]) -> np.ndarray:
+        own = [_own(c) for c in caches]
+        ids = self._check_ids(token_ids)
+        if len(own) != len(ids):
+            raise ValueError(f"{len(own)} caches but {len(ids)} tokens")
+        if len({id(c) for c in own}) != len(own):
+            raise ValueError("a cache appears twice in one decode step")
+        for c in own:
+            c.reserve(c.length + 1)
+        return self._logits(self._forward(ids, own))
+
+    def _check_ids(self, token_ids: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
+        return ids
+
+    def _forward(self, ids: np.ndarray, caches: list[CPUCache]) -> np.ndarray:
+        """Run rows `ids` through every layer and return the last hidden states `[n, hidden]`.
+        One cache extends by all rows (prefill), or each of several by one row (decode);
+        room is already reserved."""
+        cfg, w = self.config, self.weights
+        nq, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        per_cache = len(ids) // len(caches)
+        spans = [(c, c.length, i * per_cache, (i + 1) * per_cache) for i, c in enumerate(caches)]
+        positions = np.concatenate([np.arange(s, s + per_cache) for _, s, _, _ in spans])
+        cos, sin = ops.rope_tables(positions, w.inv_freq)
+        h = w.embed[ids]
+        for li, layer in enumerate(w.layers):
+            x = ops.rms_norm(h, layer.attn_norm, cfg.rms_eps)
+            qkv = ops.linear(x, layer.qkv)
+            if layer.qkv_bias is not None:
+                qkv += layer.qkv_bias
+            qkv = qkv.reshape(len(ids), nq + 2 * nkv, hd)
+            q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = ops.rms_norm(q, layer.q_norm, cfg.rms_eps)
+                k = ops.rms_norm(k, layer.k_norm, cfg.rms_eps)
+            q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
+            attn = np.empty((len(ids), nq * hd), dtype=np.float32)
+            for c, s, lo, hi in spans:
+                end = s + per_cache
+                c.k[li, :, s:end] = k[lo:hi].transpose(1, 0, 2)
+                c.v[li, :, s:end] = v[lo:hi].transpose(1, 0, 2)
+                attn[lo:hi] = ops.attention(q[lo:hi], c.k[li, :, :end], c.v[li, :, :end], s)
+            h = h + ops.linear(attn, layer.o)
+            x = ops.rms_norm(h, layer.ffn_norm, cfg.rms_eps)
+            h = h + ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up)), layer.down)
+        for c in caches:
+            c.length += per_cache
+        return h
+
+    def _logits(self, h: np.ndarray) -> np.ndarray:
+        """Final norm and output head: `[n, hidden]` -> `[n, vocab]`."""
+        return ops.linear(ops.rms_norm(h, self.weights.output_norm, self.config.rms_eps), self.weights.output)
+
+
+def _own(cache: KVCache) -> CPUCache:
+    if not isinstance(cache, CPUCache):
+        raise TypeError(f"the CPU engine cannot use a {type(cache).__name__}")
+    return cache

@@ -1,0 +1,202 @@
+"""The MLX engine: the engine protocol over an mlx-lm network and MLX KV caches.
+
+Everything runs on one thread-local stream (as mlx-lm's generation does), so the engine may be
+built on one thread and driven from the scheduler's worker thread. Only the logits of the
+positions asked for are computed and copied to the host; `decode_argmax` keeps even those on
+the device and returns one id per sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from gguf import GGMLQuantizationType
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
+
+from lmserve.engine_mlx import disk_cache
+from lmserve.engine_mlx.kv import Batch, MLXKVCache
+from lmserve.engine_mlx.model import build_model, gguf_names
+from lmserve.engine_mlx.weights import Choice, convert, load_native, mx_loadable, summarize
+from lmserve.model.config import ModelConfig
+from lmserve.model.gguf_file import GGUFFile
+
+PREFILL_CHUNK = 2048  # positions per forward pass during prefill (mlx-lm's default step)
+KV_FORMAT = "lmserve-mlx-kv-1"
+
+Progress = Callable[[int, int], None]
+
+
+def describe_device() -> str:
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return "cpu (MLX CPU backend)"
+    return "gpu (Metal)" if mx.metal.is_available() else "gpu (CUDA)"
+
+
+def compute_dtype(gguf: GGUFFile) -> mx.Dtype:
+    """Activation, scale and KV dtype. MLX's CPU kernels run float16 quantized matmuls about 30x
+    slower than float32 (measured), so the CPU backend computes in float32; a GPU computes in the
+    precision of the file's float matrices (float16 for quantized files)."""
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return mx.float32
+    types = {t.qtype for t in gguf.tensors.values() if len(t.shape) == 2}
+    if GGMLQuantizationType.F32 in types:
+        return mx.float32
+    return mx.bfloat16 if GGMLQuantizationType.BF16 in types else mx.float16
+
+
+class MLXEngine:
+    """A GGUF model on MLX's default device (Metal on a Mac, CUDA or the CPU backend elsewhere)."""
+
+    name = "mlx"
+
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, progress: Progress | None = None,
+                 cache_dir: Path | None = None) -> None:
+        self.config = config
+        self.device = describe_device()
+        self.dtype = compute_dtype(gguf)
+        self._stream = mx.new_thread_local_stream(mx.default_device())
+        with mx.stream(self._stream):
+            self.model = build_model(config)
+            arrays, choices, self.weights_from = self._arrays(gguf, progress, cache_dir)
+            quant = {name.rsplit(".", 1)[0]: {"group_size": c.group_size, "bits": c.bits}
+                     for name, c in choices.items() if c.bits is not None}
+            nn.quantize(self.model, class_predicate=lambda path, _: quant.get(path, False))
+            self.model.load_weights(list(arrays.items()), strict=True)
+            del arrays
+            mx.eval(self.model.parameters())
+        self.quant_summary = summarize(choices)
+        self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        self._geometry = f"{config.n_layers}x{config.n_kv_heads}x{config.head_dim}:{self.dtype}"
+
+    def _arrays(self, gguf: GGUFFile, progress: Progress | None,
+                cache_dir: Path | None) -> tuple[dict[str, mx.array], dict[str, Choice], str]:
+        """Native files load straight from the GGUF; others from the disk cache, else converted."""
+        names = gguf_names(self.model, self.config, gguf.tensors)
+        if mx_loadable(gguf, list(names.values())):
+            return *load_native(gguf, names, self.dtype), f"{gguf.path.name} (native)"
+        path = disk_cache.cache_path(gguf, self.dtype, Path(cache_dir or disk_cache.default_cache_dir()))
+        cached = disk_cache.load(path)
+        if cached is not None:
+            return *cached, f"cache {path}"
+        arrays, choices = convert(gguf, names, self.dtype, progress)
+        disk_cache.save(path, arrays, choices)
+        return arrays, choices, f"{gguf.path.name} (converted, cached in {path})"
+
+    # -- forward passes ----------------------------------------------------------------------
+
+    def _head(self, h: mx.array) -> mx.array:
+        if self.model.args.tie_word_embeddings:
+            return self.model.model.embed_tokens.as_linear(h)
+        return self.model.lm_head(h)
+
+    def _check_ids(self, token_ids: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
+        return ids.astype(np.uint32)
+
+    def _step(self, caches: Sequence[MLXKVCache], token_ids: Sequence[int]) -> mx.array:
+        """Lazy logits `[batch, vocab]` of one decode step; the caches advance by one."""
+        if not caches or len(caches) != len(token_ids):
+            raise ValueError("decode needs one token id per cache")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("a cache appears twice in one decode step")
+        for cache in caches:
+            cache.reserve(1)
+        layers = caches[0].own() if len(caches) == 1 else Batch.of(caches).layers
+        tokens = mx.array(self._check_ids(token_ids))[:, None]
+        logits = self._head(self.model.model(tokens, cache=layers)[:, -1, :])
+        for cache in caches:
+            cache.n += 1
+        return logits
+
+    # -- the engine protocol -----------------------------------------------------------------
+
+    def new_cache(self, max_tokens: int) -> MLXKVCache:
+        return MLXKVCache(self.config.n_layers, max_tokens)
+
+    def prefill(self, cache: MLXKVCache, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        ids = self._check_ids(token_ids)
+        if not len(ids):
+            raise ValueError("prefill needs at least one token")
+        cache.reserve(len(ids))
+        out = []
+        with mx.stream(self._stream):
+            layers = cache.own()
+            for start in range(0, len(ids), PREFILL_CHUNK):
+                chunk = ids[start:start + PREFILL_CHUNK]
+                h = self.model.model(mx.array(chunk)[None], cache=layers)[0]
+                cache.n += len(chunk)
+                if all_logits or start + PREFILL_CHUNK >= len(ids):
+                    out.append(np.array(self._head(h if all_logits else h[-1]).astype(mx.float32)))
+                else:
+                    mx.eval([(layer.keys, layer.values) for layer in layers])
+        return np.concatenate(out) if all_logits else out[-1]
+
+    def decode(self, caches: Sequence[MLXKVCache], token_ids: Sequence[int]) -> np.ndarray:
+        with mx.stream(self._stream):
+            return np.array(self._step(caches, token_ids).astype(mx.float32))
+
+    def decode_argmax(self, caches: Sequence[MLXKVCache], token_ids: Sequence[int]) -> np.ndarray:
+        """Greedy step on the device: the ids `decode`'s logits would argmax to, without copying them."""
+        with mx.stream(self._stream):
+            return np.array(mx.argmax(self._step(caches, token_ids).astype(mx.float32), axis=-1)).astype(np.int64)
+
+    def truncate(self, cache: MLXKVCache, n: int) -> None:
+        if not 0 <= n <= cache.length:
+            raise ValueError(f"cannot truncate a cache of {cache.length} positions to {n}")
+        with mx.stream(self._stream):
+            for layer in cache.own():
+                layer.trim(layer.offset - n)
+        cache.n = n
+
+    def copy_prefix(self, src: MLXKVCache, dst: MLXKVCache, n: int) -> None:
+        if not 0 <= n <= src.length or n > dst.capacity:
+            raise ValueError(f"cannot copy {n} positions from a cache of {src.length} into one of {dst.capacity}")
+        if src is dst:
+            self.truncate(src, n)
+            return
+        with mx.stream(self._stream):
+            dst.own()
+            dst.layers = [self._fresh(layer.keys, layer.values, n) for layer in src.own()]
+            mx.eval([(layer.keys, layer.values) for layer in dst.layers if layer.keys is not None])
+        dst.n = n
+
+    @staticmethod
+    def _fresh(keys: mx.array | None, values: mx.array | None, n: int) -> KVCache:
+        """A cache with its own preallocated storage holding the first `n` positions given."""
+        layer = KVCache()
+        if n and keys is not None and values is not None:
+            layer.update_and_fetch(keys[..., :n, :], values[..., :n, :])
+        return layer
+
+    def save_cache(self, cache: MLXKVCache, path: Path) -> None:
+        arrays: dict[str, mx.array] = {}
+        with mx.stream(self._stream):
+            for i, layer in enumerate(cache.own()):
+                if cache.n:
+                    arrays[f"{i}.keys"] = layer.keys[..., :cache.n, :]
+                    arrays[f"{i}.values"] = layer.values[..., :cache.n, :]
+            with Path(path).open("wb") as f:
+                mx.save_safetensors(f, arrays, {"format": KV_FORMAT, "geometry": self._geometry,
+                                                "length": str(cache.n)})
+
+    def load_cache(self, path: Path, max_tokens: int) -> MLXKVCache:
+        with mx.stream(self._stream):
+            arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
+            if metadata.get("format") != KV_FORMAT or metadata.get("geometry") != self._geometry:
+                raise ValueError(f"{path} is not a KV cache of this model on this engine")
+            n = int(metadata["length"])
+            if n > max_tokens:
+                raise ValueError(f"{path} holds {n} positions, more than {max_tokens}")
+            cache = self.new_cache(max_tokens)
+            cache.layers = [self._fresh(arrays.get(f"{i}.keys"), arrays.get(f"{i}.values"), n)
+                            for i in range(self.config.n_layers)]
+            mx.eval([(layer.keys, layer.values) for layer in cache.layers if layer.keys is not None])
+        cache.n = n
+        return cache

@@ -1,0 +1,158 @@
+"""The Litestar application: routes for every dialect over one Runtime.
+
+Route handlers only parse, submit and render; each route also answers without the /v1 prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from litestar import Litestar, Request, Response, get, post
+from litestar.config.cors import CORSConfig
+from litestar.exceptions import HTTPException
+
+from lmserve import __version__
+from lmserve.core.errors import RequestError, invalid
+from lmserve.core.events import Failed
+from lmserve.http import fields
+from lmserve.http.anthropic import MessageRenderer, parse_messages
+from lmserve.http.common import collect, failure_error, json_response, lazy_stream, read_json
+from lmserve.http.errors import anthropic_error, openai_error, renderer_for_path
+from lmserve.http.openai_chat import ChatRenderer, parse_chat
+from lmserve.http.openai_responses import ResponseRenderer, parse_responses
+from lmserve.http.response_store import ResponseStore
+from lmserve.runtime import Runtime
+
+log = logging.getLogger("lmserve.http")
+
+
+def both(path: str) -> list[str]:
+    """A /v1 route and its prefix-less twin."""
+    return [path, path.removeprefix("/v1")]
+
+
+def create_app(runtime: Runtime, cors_origins: list[str] | None = None) -> Litestar:
+    model = runtime.model
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model.model_id, "object": "model", "created": int(runtime.options.started_at),
+                "owned_by": "lmserve", "context_window": runtime.ctx, "max_model_len": runtime.ctx}
+
+    @post(both("/v1/chat/completions"))
+    async def chat_completions(request: Request) -> Response:
+        body = await read_json(request)
+        chat, options = parse_chat(body, model.tokenizer.vocab_size)
+        job = runtime.start_chat(chat)
+        renderer = ChatRenderer(model.model_id, chat.sampling.logprobs, options)
+        if chat.stream:
+            return await lazy_stream(job, renderer.frames, openai_error)
+        events = await collect(job)
+        if isinstance(events[-1], Failed):
+            return openai_error(failure_error(events[-1]))
+        return json_response(renderer.completion(events))
+
+    responses_store = ResponseStore()
+
+    @post(both("/v1/responses"))
+    async def responses(request: Request) -> Response:
+        body = await read_json(request)
+        call = parse_responses(body, model.tokenizer.vocab_size, responses_store)
+        job = runtime.start_chat(call.chat)
+        renderer = ResponseRenderer(model.model_id, call, responses_store)
+        if call.chat.stream:
+            return await lazy_stream(job, renderer.frames, openai_error)
+        events = await collect(job)
+        if isinstance(events[-1], Failed):
+            return openai_error(failure_error(events[-1]))
+        return json_response(renderer.response(events))
+
+    @post(both("/v1/messages"))
+    async def messages(request: Request) -> Response:
+        body = await read_json(request)
+        chat = parse_messages(body, model.tokenizer.vocab_size)
+        job = runtime.start_chat(chat)
+        renderer = MessageRenderer(model.model_id, len(job.prompt_ids))
+        if chat.stream:
+            return await lazy_stream(job, renderer.frames, anthropic_error)
+        events = await collect(job)
+        if isinstance(events[-1], Failed):
+            return anthropic_error(failure_error(events[-1]))
+        return json_response(renderer.message(events))
+
+    @post(both("/v1/messages/count_tokens"))
+    async def count_tokens(request: Request) -> Response:
+        body = await read_json(request)
+        chat = parse_messages(body, model.tokenizer.vocab_size, require_max_tokens=False)
+        return json_response({"input_tokens": runtime.count_prompt_tokens(chat)})
+
+    @get(both("/v1/models"))
+    async def list_models() -> Response:
+        return json_response({"object": "list", "data": [model_card()]})
+
+    @get(both("/v1/models/{model_id:path}"))
+    async def get_model(model_id: str) -> Response:
+        return json_response(model_card())
+
+    @get("/health")
+    async def health() -> Response:
+        scheduler = runtime.scheduler
+        return json_response({
+            "status": "ok", "model": model.model_id, "engine": runtime.engine.name,
+            "device": runtime.engine.device, "context": runtime.ctx,
+            "queue_depth": scheduler.queue_depth, "active_sequences": scheduler.active_sequences,
+            "auth_required": bool(runtime.options.api_key), "version": __version__,
+        })
+
+    @post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await read_json(request)
+        content = fields.string(body, "content")
+        if content is None:
+            raise invalid("content", "is required and must be a string")
+        ids = model.tokenizer.encode(content, add_special=fields.boolean(body, "add_special", False),
+                                     parse_special=True)
+        if fields.boolean(body, "with_pieces"):
+            tokens: list[Any] = [{"id": i, "piece": _piece_json(model.tokenizer.token_bytes(i))} for i in ids]
+        else:
+            tokens = ids
+        return json_response({"tokens": tokens})
+
+    @post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = await read_json(request)
+        ids = fields.array(body, "tokens")
+        vocab = model.tokenizer.vocab_size
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids):
+            raise invalid("tokens", f"must be an array of token ids between 0 and {vocab - 1}")
+        return json_response({"content": model.tokenizer.decode(ids)})
+
+    return Litestar(
+        route_handlers=[chat_completions, responses, messages, count_tokens, list_models, get_model, health, tokenize, detokenize],
+        exception_handlers={RequestError: _request_error, HTTPException: _http_error, Exception: _crash},
+        cors_config=CORSConfig(allow_origins=cors_origins) if cors_origins else None,
+        openapi_config=None,
+    )
+
+
+def _piece_json(raw: bytes) -> str | list[int]:
+    """llama.cpp's piece: the text when it is valid UTF-8, else the raw bytes."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
+def _request_error(request: Request, exc: RequestError) -> Response:
+    return renderer_for_path(request.url.path)(exc)
+
+
+def _http_error(request: Request, exc: HTTPException) -> Response:
+    err = RequestError(str(exc.detail), exc.status_code, None)
+    return renderer_for_path(request.url.path)(err)
+
+
+def _crash(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path)
+    err = RequestError("internal server error; see the server log", 500)
+    return renderer_for_path(request.url.path)(err)

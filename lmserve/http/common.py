@@ -1,0 +1,93 @@
+"""HTTP plumbing shared by the dialects: JSON bodies in and out, SSE frames, lazy streams."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from litestar import Request, Response
+from litestar.response import Stream
+
+from lmserve.core.errors import RequestError
+from lmserve.core.events import Event, Failed
+from lmserve.engine.jobs import GenerationJob
+
+ErrorRenderer = Callable[[RequestError], Response]
+
+
+def dumps(payload: Any) -> bytes:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(content=dumps(payload), status_code=status, media_type="application/json",
+                    headers=headers)
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """Parse the body as a JSON object whatever the Content-Type says (curl -d sends form encoding)."""
+    raw = await request.body()
+    if not raw.strip():
+        raise RequestError("the request body is empty; send a JSON object", 400, "body")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(f"the request body is not valid JSON: {exc}", 400, "body") from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", 400, "body")
+    return body
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    """One Server-Sent Events frame; `data` is JSON-encoded unless it is already a string."""
+    text = data if isinstance(data, str) else dumps(data).decode()
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {text}\n\n".encode()
+
+
+def failure_error(failure: Failed) -> RequestError:
+    return RequestError(failure.message, failure.status)
+
+
+async def lazy_stream(
+    job: GenerationJob,
+    frames: Callable[[AsyncIterator[Event]], AsyncIterator[bytes]],
+    render_error: ErrorRenderer,
+) -> Response:
+    """Start the SSE response only once the first event exists, so that a request failing
+    before its first token gets a plain JSON error with its status instead of a 200 stream."""
+    events = job.events()
+    try:
+        first = await anext(events)
+    except BaseException:
+        job.cancel()
+        raise
+    if isinstance(first, Failed):
+        return render_error(failure_error(first))
+
+    async def replay() -> AsyncIterator[Event]:
+        yield first
+        async for event in events:
+            yield event
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for frame in frames(replay()):
+                yield frame
+        finally:
+            job.cancel()  # client gone or stream over: either way the worker may drop the job
+
+    return Stream(body(), media_type="text/event-stream",
+                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def collect(job: GenerationJob) -> list[Event]:
+    """All events of a non-streaming job; the job is cancelled if the caller goes away."""
+    out: list[Event] = []
+    try:
+        async for event in job.events():
+            out.append(event)
+    finally:
+        job.cancel()
+    return out

@@ -1,0 +1,233 @@
+"""OpenAI Chat Completions: request body -> ChatRequest, events -> chat.completion(.chunk) JSON."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from lmserve.core.errors import RequestError, invalid
+from lmserve.core.events import Event, Failed, Finished, TextDelta, TokenLogprob, Usage
+from lmserve.core.types import ChatRequest, Message, SamplingParams, ToolCall
+from lmserve.http import fields
+from lmserve.http.common import sse
+
+ROLE_ALIASES = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant",
+                "tool": "tool"}
+# Chat's and Responses' names for the same non-text parts: both dialects reject them the same way.
+UNSUPPORTED_PARTS = {"image_url": "images", "input_image": "images", "input_audio": "audio", "file": "files",
+                     "input_file": "files"}
+GRAMMAR_EXTENSIONS = ("grammar", "regex", "lark", "json_schema", "guided_json", "guided_regex")
+
+
+@dataclass
+class ChatOptions:
+    """Dialect-level choices that do not change generation."""
+
+    include_usage: bool = False
+
+
+def text_content(value: Any, where: str, allowed_parts: tuple[str, ...] = ("text",)) -> str:
+    """A string, or an array of text parts joined: OpenAI's two shapes of message content."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise invalid(where, "must be a string or an array of content parts")
+    texts = []
+    for j, part in enumerate(value):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise invalid(f"{where}[{j}]", "must be an object with a string `type`")
+        kind = part["type"]
+        if kind in UNSUPPORTED_PARTS:
+            raise invalid(f"{where}[{j}].type", f"{UNSUPPORTED_PARTS[kind]} are not supported by this "
+                          f"text-only model ('{kind}' content part)")
+        if kind not in allowed_parts:
+            raise invalid(f"{where}[{j}].type", f"unknown content part type '{kind}'")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"{where}[{j}].text", "must be a string")
+        texts.append(text)
+    return "".join(texts)
+
+
+def parse_tool_calls(value: Any, where: str) -> list[ToolCall]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise invalid(where, "must be an array")
+    calls = []
+    for j, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise invalid(f"{where}[{j}].function.name", "must be a string")
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, str):
+            raise invalid(f"{where}[{j}].function.arguments", "must be a JSON string")
+        calls.append(ToolCall(str(call.get("id") or f"call_{j}"), fn["name"], args))
+    return calls
+
+
+def parse_message(raw: Any, where: str) -> Message:
+    if not isinstance(raw, dict):
+        raise invalid(where, "must be an object")
+    role = raw.get("role")
+    if role not in ROLE_ALIASES:
+        raise invalid(f"{where}.role", f"unknown role {role!r}; expected one of "
+                      "system, developer, user, assistant, tool")
+    content = text_content(raw.get("content"), f"{where}.content")
+    message = Message(ROLE_ALIASES[role], content)
+    if role == "assistant":
+        message.tool_calls = parse_tool_calls(raw.get("tool_calls"), f"{where}.tool_calls")
+        reasoning = raw.get("reasoning_content")
+        message.reasoning = reasoning if isinstance(reasoning, str) else None
+    if role == "tool":
+        message.tool_call_id = fields.string(raw, "tool_call_id", name=f"{where}.tool_call_id")
+    return message
+
+
+def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Validate tool declarations (OpenAI's function shape)."""
+    tools = fields.array(body, "tools")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise invalid(f"tools[{i}].type", "only function tools are supported")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise invalid(f"tools[{i}].function.name", "must be a non-empty string")
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            raise invalid(f"tools[{i}].function.parameters", "must be a JSON schema object")
+    return tools
+
+
+def parse_sampling(body: dict[str, Any], vocab_size: int) -> SamplingParams:
+    """The sampling fields the OpenAI dialects share (and llama.cpp's extensions)."""
+    return SamplingParams(
+        temperature=fields.number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=fields.number(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=fields.integer(body, "top_k", 0, 0),
+        min_p=fields.number(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=fields.number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=fields.number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repeat_penalty=fields.number(body, "repeat_penalty", 1.0, 0.0, 10.0),
+        seed=fields.integer(body, "seed", None, -(2**63), 2**64 - 1),
+        logit_bias=fields.logit_bias(body, "logit_bias", vocab_size),
+    )
+
+
+def reject_unsupported_generation_controls(body: dict[str, Any]) -> None:
+    """Structured output and forced tool calls arrive with the tools/grammar work: 501 until then."""
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind not in ("text", "json_schema", "json_object"):
+            raise invalid("response_format.type", "must be one of text, json_schema, json_object")
+        if kind != "text":
+            raise RequestError(f"response_format {kind} is not implemented yet", 501, "response_format")
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        raise RequestError("forcing a tool call (tool_choice other than auto/none) is not implemented yet",
+                           501, "tool_choice")
+    for key in GRAMMAR_EXTENSIONS:
+        if body.get(key) is not None:
+            raise RequestError(f"the `{key}` constraint is not implemented yet", 501, key)
+
+
+def parse_chat(body: dict[str, Any], vocab_size: int) -> tuple[ChatRequest, ChatOptions]:
+    raw_messages = fields.array(body, "messages")
+    if not raw_messages:
+        raise invalid("messages", "must be a non-empty array of messages")
+    messages = [parse_message(m, f"messages[{i}]") for i, m in enumerate(raw_messages)]
+    if fields.integer(body, "n", 1, 1) != 1:
+        raise invalid("n", "only n=1 is supported (one process serves one sequence per request)")
+    for legacy in ("functions", "function_call"):
+        if body.get(legacy) is not None:
+            raise invalid(legacy, "the legacy functions API is not supported; use `tools`")
+    parse_tools(body)  # validated; offered to the model once tool calling lands
+    reject_unsupported_generation_controls(body)
+    sampling = parse_sampling(body, vocab_size)
+    sampling.logprobs = fields.boolean(body, "logprobs")
+    sampling.top_logprobs = fields.integer(body, "top_logprobs", 0, 0, 20) or 0
+    if sampling.top_logprobs and not sampling.logprobs:
+        raise invalid("top_logprobs", "requires `logprobs: true`")
+    max_tokens = fields.integer(body, "max_completion_tokens", None, 1)
+    if max_tokens is None:
+        max_tokens = fields.integer(body, "max_tokens", None, 1)
+    stream = fields.boolean(body, "stream")
+    stream_options = fields.obj(body, "stream_options")
+    if stream_options and not stream:
+        raise invalid("stream_options", "is only allowed when `stream` is true")
+    request = ChatRequest(messages, sampling, max_tokens, fields.stop_strings(body, "stop"), stream)
+    return request, ChatOptions(include_usage=fields.boolean(stream_options, "include_usage"))
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+def logprob_json(lp: TokenLogprob) -> dict[str, Any]:
+    return {"token": lp.token, "logprob": lp.logprob, "bytes": lp.bytes,
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in lp.top]}
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+class ChatRenderer:
+    """Turns one job's events into a chat.completion body or chat.completion.chunk frames."""
+
+    def __init__(self, model_id: str, logprobs: bool, options: ChatOptions) -> None:
+        self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.model = model_id
+        self.logprobs = logprobs
+        self.options = options
+
+    def completion(self, events: list[Event]) -> dict[str, Any]:
+        text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        finish = next(e for e in events if isinstance(e, Finished))
+        logprobs = None
+        if self.logprobs:
+            content = [logprob_json(lp) for e in events if isinstance(e, TextDelta) for lp in e.logprobs]
+            logprobs = {"content": content, "refusal": None}
+        return {
+            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
+                                                 "annotations": []},
+                         "logprobs": logprobs, "finish_reason": finish.reason}],
+            "usage": usage_json(finish.usage),
+        }
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
+               logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        if self.logprobs and logprobs is not None:
+            choice["logprobs"] = {"content": [logprob_json(lp) for lp in logprobs], "refusal": None}
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                 "model": self.model, "choices": [choice]}
+        if self.options.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    async def frames(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+        yield sse(self._chunk({"role": "assistant", "content": ""}))
+        async for event in events:
+            if isinstance(event, TextDelta):
+                yield sse(self._chunk({"content": event.text}, logprobs=event.logprobs))
+            elif isinstance(event, Finished):
+                yield sse(self._chunk({}, event.reason))
+                if self.options.include_usage:
+                    yield sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                               "model": self.model, "choices": [], "usage": usage_json(event.usage)})
+            elif isinstance(event, Failed):
+                yield sse({"error": {"message": event.message, "type": event.error_type,
+                                     "param": None, "code": None}})
+        yield b"data: [DONE]\n\n"

@@ -1,0 +1,184 @@
+"""The model's chat template, rendered exactly as Hugging Face's `apply_chat_template` renders it.
+
+Templates are written against transformers' Jinja environment (trim_blocks, lstrip_blocks, loop controls,
+its own `tojson`, `raise_exception`, `strftime_now`) and its input preparation (None-valued message keys
+dropped, reasoning aliased under `reasoning_content` and `thinking`), so prompts only match the ones a
+model was trained on if all of that is reproduced. Doing it here with jinja2 avoids importing
+transformers at startup. Templates come from model files, so they run in the immutable sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.meta
+import jinja2.nodes
+import jinja2.utils
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from lmserve.model.gguf_file import GGUFFile, ModelLoadError
+from lmserve.model.tokenizer import Tokenizer
+
+# transformers' fallback when a model has no template (and llama.cpp's).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>'"
+    " + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class TemplateError(Exception):
+    """A chat template that cannot render this conversation; the message is meant for the client (400)."""
+
+
+class _Generation(Extension):
+    """`{% generation %}` marks assistant text for training masks; rendering just outputs the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+class _TemplateDict:
+    """`dict(...)` in templates without handing them the `dict` type itself (as transformers does)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace()` that refuses underscore attributes, closing a sandbox escape (as transformers does)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # no named `self`, like jinja's Namespace
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"templates cannot set underscore attributes ({name!r})")
+
+
+def _raise_exception(message: str) -> None:
+    """Templates reject conversations they cannot format this way (e.g. roles out of order)."""
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' `tojson`: no HTML escaping, non-ASCII kept, json.dumps' layout options exposed."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    """Today's date for templates that put it in the system prompt (Llama 3)."""
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """transformers' environment: same options, extensions, filters and globals."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(),
+                       namespace=_Namespace)
+    return env
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-shaped copy of template input, so the sandbox only ever sees plain dicts, lists and scalars."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    for base in (str, int, float):  # subclasses (enums and the like) lose their extra methods
+        if isinstance(value, base):
+            return base(value)
+    return f"<{type(value).__name__}>"
+
+
+def _prepare(messages: list[dict]) -> list[dict]:
+    """transformers' message preparation: drop None values, alias reasoning under both names."""
+    out = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise TemplateError(f"chat messages must be objects, got {type(message).__name__}")
+        message = {k: v for k, v in _plain(message).items() if v is not None}
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+class ChatTemplate:
+    """A compiled chat template plus the special-token strings Hugging Face passes to it."""
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None,
+                 tool_use_source: str | None = None) -> None:
+        env = _environment()
+        try:
+            self._default = env.from_string(source)
+            self._tool_use = env.from_string(tool_use_source) if tool_use_source else None
+            variables = set(jinja2.meta.find_undeclared_variables(env.parse(source)))
+            if tool_use_source:
+                variables |= jinja2.meta.find_undeclared_variables(env.parse(tool_use_source))
+        except jinja2.TemplateSyntaxError as exc:
+            raise TemplateError(f"chat template does not compile (line {exc.lineno}): {exc.message}") from None
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        self.supports_tools = "tools" in variables
+        self.supports_thinking = "enable_thinking" in variables
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile, tokenizer: Tokenizer) -> ChatTemplate:
+        """The file's template (ChatML when it has none), with its bos/eos/unk/pad token strings."""
+        md = gguf.metadata
+        special = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
+        for name, key in (("unk_token", "unknown"), ("pad_token", "padding")):
+            token_id = md.get(f"tokenizer.ggml.{key}_token_id")
+            if token_id is not None and 0 <= token_id < tokenizer.vocab_size:
+                special[name] = tokenizer.piece(token_id)
+        try:
+            return cls(md.get("tokenizer.chat_template") or CHATML_TEMPLATE,
+                       {k: v for k, v in special.items() if v is not None},
+                       md.get("tokenizer.chat_template.tool_use"))
+        except TemplateError as exc:
+            raise ModelLoadError(f"{gguf.path.name}: {exc}") from None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               **template_kwargs: Any) -> str:
+        """The prompt for `messages`; keyword arguments (enable_thinking, documents, ...) reach the template."""
+        template = self._tool_use if tools is not None and self._tool_use is not None else self._default
+        context = {"documents": None, **self.special_tokens, **_plain(template_kwargs)}
+        try:
+            return template.render(messages=_prepare(messages), tools=_plain(tools),
+                                   add_generation_prompt=add_generation_prompt, **context)
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"chat template error: {exc.message or exc}") from None
+        except (TypeError, ValueError, LookupError, ArithmeticError, AttributeError) as exc:
+            raise TemplateError(f"chat template failed on these messages: {exc}") from None

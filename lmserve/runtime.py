@@ -1,0 +1,79 @@
+"""The serving runtime: one loaded model, its engine and the scheduler, and request admission.
+
+Dialect adapters hand a normalized ChatRequest (or prompt ids) to `Runtime.start_job`; it builds
+the prompt, checks it against the context, sizes the reply budget and queues the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from lmserve.core.errors import RequestError
+from lmserve.core.prompt import PromptBuilder
+from lmserve.core.types import ChatRequest, SamplingParams
+from lmserve.engine.jobs import EventChannel, GenerationJob
+from lmserve.engine.protocol import Engine
+from lmserve.engine.scheduler import QueueFull, Scheduler
+from lmserve.model.loader import LoadedModel
+
+DEFAULT_MAX_TOKENS = 4096
+
+
+@dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    ctx: int = 8192
+    max_queue: int = 16
+    max_batch: int = 1
+    api_key: str | None = None
+    started_at: float = field(default_factory=time.time)
+
+
+class Runtime:
+    """Owns model, engine and scheduler for the lifetime of the server."""
+
+    def __init__(self, model: LoadedModel, engine: Engine, options: ServerOptions) -> None:
+        self.model = model
+        self.engine = engine
+        self.options = options
+        self.ctx = options.ctx
+        self.prompts = PromptBuilder(model.tokenizer, model.template)
+        self.scheduler = Scheduler(engine, model.tokenizer, options.ctx, options.max_queue, options.max_batch)
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    def count_prompt_tokens(self, request: ChatRequest) -> int:
+        return len(self.prompts.build(request))
+
+    def start_chat(self, request: ChatRequest) -> GenerationJob:
+        return self.start_job(self.prompts.build(request), request.sampling, request.max_tokens,
+                              request.stop, request.session_id)
+
+    def start_job(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int | None,
+                  stop: list[str], session_id: str | None = None) -> GenerationJob:
+        """Validate the prompt against the context and queue it; raises RequestError."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty", 400, "messages")
+        if n >= self.ctx:
+            raise RequestError(
+                f"the prompt has {n} tokens but the context size is {self.ctx} tokens; "
+                "shorten the conversation or start the server with a larger --ctx",
+                400, "messages", "context_length_exceeded")
+        budget = self.ctx - n
+        max_tokens = min(max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS, budget)
+        job = GenerationJob(prompt_ids, sampling, max_tokens, EventChannel(asyncio.get_running_loop()),
+                            stop, session_id)
+        try:
+            self.scheduler.submit(job)
+        except QueueFull as exc:
+            raise RequestError(f"server busy: {exc}; retry shortly", 429, None, "queue_full",
+                               {"Retry-After": "1"}) from None
+        return job

@@ -1,0 +1,43 @@
+"""Shared test fixtures: paths to ../shared data and the embedded SmolLM2 model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lmserve.model.default_model import default_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+GOLDENS = SHARED / "goldens" / "smollm2"
+TINY_LLAMA = SHARED / "fixtures" / "tiny-llama"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def chat_goldens() -> list[dict]:
+    return read_jsonl(GOLDENS / "chat.jsonl")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_goldens() -> list[dict]:
+    return read_jsonl(GOLDENS / "tokenizer.jsonl")
+
+
+@pytest.fixture(scope="session")
+def smollm2_server():
+    """One SmolLM2 server on the NumPy engine shared by the end-to-end tests."""
+    from tests.server_util import start_server
+
+    with start_server("--engine", "cpu", "--batch", "4") as server:
+        yield server

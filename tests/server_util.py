@@ -1,0 +1,68 @@
+"""Start a real lmserve process on a free loopback port for end-to-end tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    base_url: str
+    process: subprocess.Popen
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+@contextlib.contextmanager
+def start_server(*args: str, env: dict[str, str] | None = None, timeout: float = 120.0) -> Iterator[Server]:
+    """Run `python -m lmserve.cli ARGS --port P` and yield once /health answers."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="lmserve-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmserve.cli", *args, "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+    )
+    server = Server(f"http://127.0.0.1:{port}", proc, log.name)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+            try:
+                if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not become healthy:\n{server.log()}")
+            time.sleep(0.1)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        os.unlink(log.name)

@@ -1,0 +1,144 @@
+"""/v1/messages end to end: the official anthropic SDK, raw SSE, and replayed Claude Code traffic."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import pytest
+
+from tests.conftest import SHARED
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+CLIENTS = SHARED / "clients"
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=smollm2_server.base_url, api_key="local", max_retries=0)
+
+
+def sse_events(response: httpx.Response) -> list[tuple[str, dict]]:
+    events, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            data = json.loads(line[6:])
+            assert data["type"] == name
+            events.append((name, data))
+    return events
+
+
+def test_messages_create(client):
+    msg = client.messages.create(model="claude-opus-4-8", max_tokens=64, temperature=0, messages=CAPITAL)
+    assert msg.type == "message" and msg.role == "assistant"
+    assert msg.content[0].type == "text" and msg.content[0].text == "The capital of France is Paris."
+    assert msg.stop_reason == "end_turn" and msg.stop_sequence is None
+    assert msg.usage.input_tokens == 37 and msg.usage.output_tokens == 8
+
+
+def test_messages_stream_with_text_stream_and_final_message(client):
+    with client.messages.stream(model="x", max_tokens=64, temperature=0, messages=CAPITAL) as stream:
+        pieces = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert "".join(pieces) == "The capital of France is Paris."
+    assert final.content[0].text == "".join(pieces)
+    assert final.stop_reason == "end_turn" and final.usage.output_tokens == 8
+
+
+def test_stop_sequence_attribution(client):
+    msg = client.messages.create(model="x", max_tokens=64, temperature=0, messages=CAPITAL,
+                                 stop_sequences=["Paris", "Berlin"])
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "Paris"
+    assert msg.content[0].text == "The capital of France is "
+    with client.messages.stream(model="x", max_tokens=64, temperature=0, messages=CAPITAL,
+                                stop_sequences=["France is"]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == "The capital of " and final.stop_sequence == "France is"
+
+
+def test_max_tokens_stop_reason_and_clamping(client):
+    msg = client.messages.create(model="x", max_tokens=2, temperature=0, messages=CAPITAL)
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 2
+    # Claude Code asks for 64000 output tokens: clamped to the context, never rejected.
+    msg = client.messages.create(model="x", max_tokens=64000, temperature=0, messages=CAPITAL)
+    assert msg.stop_reason == "end_turn"
+
+
+def test_count_tokens_matches_generation_usage(client):
+    counted = client.messages.count_tokens(model="x", messages=CAPITAL)
+    assert counted.input_tokens == 37
+    with_system = client.messages.count_tokens(model="x", messages=CAPITAL, system="Be brief.")
+    assert with_system.input_tokens != counted.input_tokens
+
+
+def test_missing_max_tokens_is_bad_request(smollm2_server, client):
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model="x", messages=CAPITAL)  # type: ignore[call-arg]
+    assert "max_tokens" in str(info.value)
+    r = httpx.post(smollm2_server.base_url + "/v1/messages", json={"messages": CAPITAL})
+    assert r.status_code == 400
+    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error",
+                                                   "message": "max_tokens: is required"}}
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages[0].content[0].type"),
+    ({"max_tokens": 5, "messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"max_tokens": 5, "messages": CAPITAL, "temperature": 1.5}, "temperature"),
+    ({"max_tokens": -1, "messages": CAPITAL}, "max_tokens"),
+    ({"max_tokens": 5, "messages": CAPITAL, "stop_sequences": [1]}, "stop_sequences"),
+])
+def test_invalid_fields_use_the_anthropic_envelope(smollm2_server, body, field):
+    r = httpx.post(smollm2_server.base_url + "/v1/messages", json=body)
+    assert r.status_code == 400
+    data = r.json()
+    assert data["type"] == "error" and data["error"]["type"] == "invalid_request_error"
+    assert field in data["error"]["message"]
+
+
+def test_forced_tool_choice_is_501_until_tools_land(smollm2_server):
+    body = {"max_tokens": 5, "messages": CAPITAL, "tool_choice": {"type": "any"},
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}]}
+    r = httpx.post(smollm2_server.base_url + "/v1/messages", json=body)
+    assert r.status_code == 501 and "tool_choice" in r.json()["error"]["message"]
+
+
+def replay(server, capture: str, timeout: float = 300) -> httpx.Response:
+    data = json.loads((CLIENTS / capture).read_text())
+    headers = {k: v for k, v in data["headers"].items() if k.lower() not in ("content-length", "host")}
+    return httpx.post(server.base_url + data["path"], headers=headers, json=data["body"], timeout=timeout)
+
+
+def test_claude_code_capture_without_tools_streams_a_well_formed_message(smollm2_server):
+    data = json.loads((CLIENTS / "claude-code-2.1.197-messages-no-tools.json").read_text())
+    body = {**data["body"], "max_tokens": 24}  # keep the reply short on a 2-core CI runner
+    headers = {k: v for k, v in data["headers"].items() if k.lower() not in ("content-length", "host")}
+    with httpx.stream("POST", smollm2_server.base_url + data["path"], headers=headers, json=body,
+                      timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        events = sse_events(r)
+    names = [name for name, _ in events]
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    assert names.count("content_block_start") == names.count("content_block_stop")
+    start_usage = events[0][1]["message"]["usage"]
+    final_usage = events[-2][1]["usage"]
+    assert final_usage["input_tokens"] == start_usage["input_tokens"] > 0
+    assert final_usage["output_tokens"] == sum(1 for n in names if n == "content_block_delta") or \
+        final_usage["output_tokens"] > 0
+
+
+def test_claude_code_capture_with_tools_states_token_count_and_context(smollm2_server):
+    r = replay(smollm2_server, "claude-code-2.1.197-messages-with-tools.json")
+    if r.status_code == 200:
+        names = [name for name, _ in sse_events(r)]
+        assert names[-1] == "message_stop"
+        return
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "tokens" in error["message"] and "8192" in error["message"]

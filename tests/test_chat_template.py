@@ -1,0 +1,186 @@
+"""Chat templates: SmolLM2 goldens, and Qwen3 renders byte for byte against transformers' apply_chat_template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+
+from lmserve.model.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError
+from lmserve.model.gguf_file import GGUFFile, ModelLoadError
+from lmserve.model.tokenizer import Tokenizer
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+QWEN3 = (SHARED / "templates" / "qwen3.jinja").read_text()
+TINY_LLAMA_F32 = SHARED / "fixtures" / "tiny-llama" / "tiny-llama-F32.gguf"
+SPECIAL = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path: Path) -> tuple[ChatTemplate, Tokenizer]:
+    file = GGUFFile(smollm2_path)
+    tokenizer = Tokenizer.from_gguf(file)
+    return ChatTemplate.from_gguf(file, tokenizer), tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer() -> Tokenizer:
+    return Tokenizer.from_gguf(GGUFFile(TINY_LLAMA_F32))
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_tokenizer: Tokenizer) -> Any:
+    """transformers' tokenizer class around a copy of the fixture's vocabulary (no torch needed)."""
+    transformers = pytest.importorskip("transformers")
+    backend = HFTokenizer.from_str(tiny_tokenizer.backend.to_str())
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **SPECIAL)
+
+
+def hf_render(hf_tokenizer: Any, template: str, messages: list[dict], **kwargs: Any) -> str:
+    """transformers' own apply_chat_template over the same template."""
+    return hf_tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, **kwargs)
+
+
+def test_smollm2_goldens(smollm2: tuple[ChatTemplate, Tokenizer], chat_goldens: list[dict]) -> None:
+    template, tokenizer = smollm2
+    assert chat_goldens
+    for case in chat_goldens:
+        extra = {k: case[k] for k in ("tools", "add_generation_prompt") if k in case}
+        rendered = template.render(case["messages"], **extra, **case.get("kwargs", {}))
+        assert rendered == case["rendered"]
+        assert tokenizer.encode(rendered) == case["prompt_ids"]
+
+
+def test_smollm2_properties(smollm2: tuple[ChatTemplate, Tokenizer]) -> None:
+    template, _ = smollm2
+    assert not template.supports_tools and not template.supports_thinking
+    assert template.special_tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                                       "unk_token": "<|endoftext|>", "pad_token": "<|im_end|>"}
+
+
+# -- Qwen3 against transformers ------------------------------------------------------------------------
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Wetter für eine Stadt — current conditions",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "now", "description": "The time", "parameters": {"type": "object"}}},
+]
+TOOL_TURNS = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Zürich and the time?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}},
+        {"id": "c2", "type": "function", "function": {"name": "now", "arguments": "{}"}},
+    ]},
+    {"role": "tool", "tool_call_id": "c1", "content": "{\"temp\": 21}"},
+    {"role": "tool", "tool_call_id": "c2", "content": "12:00"},
+    {"role": "assistant", "content": "21 °C at noon.", "reasoning_content": "Both tools answered."},
+    {"role": "user", "content": "Thanks!"},
+]
+CONVERSATIONS = {
+    "plain": [{"role": "user", "content": "Hello!"}],
+    "system": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}],
+    "tool_calls": TOOL_TURNS,
+    "reasoning_after_last_user": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "\nsimple sum\n"},
+    ],
+    "inline_think": [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nb", "reasoning_content": None},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "<think>x</think>d"},
+    ],
+    "thinking_alias": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "thinking": "from the thinking field"},
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("kwargs", [
+    {"add_generation_prompt": True},
+    {"add_generation_prompt": True, "enable_thinking": False},
+    {"add_generation_prompt": True, "enable_thinking": True, "tools": TOOLS},
+    {"add_generation_prompt": False, "tools": TOOLS},
+], ids=["gen", "no-think", "think-tools", "tools-no-gen"])
+def test_qwen3_matches_transformers(hf_tokenizer: Any, name: str, kwargs: dict) -> None:
+    messages = CONVERSATIONS[name]
+    ours = ChatTemplate(QWEN3, SPECIAL).render(messages, **kwargs)
+    assert ours == hf_render(hf_tokenizer, QWEN3, messages, **kwargs)
+
+
+def test_qwen3_properties() -> None:
+    template = ChatTemplate(QWEN3)
+    assert template.supports_tools and template.supports_thinking
+    assert template.render([{"role": "user", "content": "x"}], enable_thinking=False).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+FEATURES = """{% set ns = namespace(n=0) %}{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}
+{% generation %}{{ m.role }}={{ m | tojson(indent=2) }}{% endgeneration %}
+{% set ns.n = ns.n + 1 %}{% endfor %}n={{ ns.n }} {{ dict(a=1) | tojson(separators=(',', ':'), sort_keys=true) }}
+{{ bos_token }}|{{ eos_token }}|{{ extra }}|{{ strftime_now('%Y') | length }}"""
+
+
+def test_environment_features_match_transformers(hf_tokenizer: Any) -> None:
+    messages = [{"role": "user", "content": "héllo \"q\" <b>", "skip": None}, {"role": "assistant", "content": "x"},
+                {"role": "user", "content": "never shown"}]
+    ours = ChatTemplate(FEATURES, SPECIAL).render(messages, extra=[1, "ü"])
+    assert ours == hf_render(hf_tokenizer, FEATURES, messages, add_generation_prompt=True, extra=[1, "ü"])
+    assert json.dumps(messages[0]["content"], ensure_ascii=False) in ours and "skip" not in ours
+
+
+# -- errors and selection --------------------------------------------------------------------------------
+
+
+def test_raise_exception_becomes_template_error() -> None:
+    template = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('Conversation must start with user') }}{% endif %}")
+    with pytest.raises(TemplateError, match="Conversation must start with user"):
+        template.render([{"role": "assistant", "content": "x"}])
+
+
+def test_bad_input_becomes_template_error() -> None:
+    template = ChatTemplate(QWEN3)
+    with pytest.raises(TemplateError):
+        template.render([{"role": "user", "content": ["not", "a", "string"]}])  # list has no .startswith
+    with pytest.raises(TemplateError, match="must be objects"):
+        template.render(["hello"])  # type: ignore[list-item]
+
+
+def test_sandbox_blocks_escapes() -> None:
+    with pytest.raises(TemplateError):
+        ChatTemplate("{{ messages.__class__.__mro__ }}{{ ''.__class__ }}").render([])
+    with pytest.raises(TemplateError):
+        ChatTemplate("{% set ns = namespace() %}{% set ns._x = 1 %}").render([])
+
+
+def test_syntax_error(tiny_tokenizer: Tokenizer) -> None:
+    with pytest.raises(TemplateError, match="does not compile"):
+        ChatTemplate("{% for m in messages %}")
+    file = SimpleNamespace(metadata={"tokenizer.chat_template": "{% if %}"}, path=Path("broken.gguf"))
+    with pytest.raises(ModelLoadError, match="broken.gguf"):
+        ChatTemplate.from_gguf(file, tiny_tokenizer)  # type: ignore[arg-type]
+
+
+def test_chatml_fallback_and_tool_use_template(tiny_tokenizer: Tokenizer) -> None:
+    file = SimpleNamespace(metadata={}, path=Path("no-template.gguf"))
+    template = ChatTemplate.from_gguf(file, tiny_tokenizer)  # type: ignore[arg-type]
+    assert template.source == CHATML_TEMPLATE
+    assert template.render([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    file.metadata = {"tokenizer.chat_template": "plain", "tokenizer.chat_template.tool_use": "{{ tools | length }} tools"}
+    template = ChatTemplate.from_gguf(file, tiny_tokenizer)  # type: ignore[arg-type]
+    assert template.supports_tools
+    assert template.render([], tools=TOOLS) == "2 tools" and template.render([]) == "plain"
+
+
+def test_documents_reach_the_template() -> None:
+    template = ChatTemplate("{{ documents | length if documents is not none else 'none' }}")
+    assert template.render([]) == "none"
+    assert template.render([], documents=[{"title": "a", "text": "b"}]) == "1"

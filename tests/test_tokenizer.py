@@ -1,0 +1,194 @@
+"""Tokenizer built from GGUF metadata: SmolLM2 goldens, the tiny fixture, synthetic SentencePiece and BPE vocabularies."""
+
+from __future__ import annotations
+
+import codecs
+import time
+from pathlib import Path
+
+import gguf
+import pytest
+from tokenizers import Regex, pre_tokenizers
+
+from lmserve.model.gguf_file import GGUFFile, ModelLoadError
+from lmserve.model.pretokenizers import PRE_TOKENIZERS, pre_tokenizer
+from lmserve.model.tokenizer import BYTE_LEVEL_CHARS, Tokenizer
+
+TINY_LLAMA_F32 = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tiny-llama" / "tiny-llama-F32.gguf"
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(GGUFFile(smollm2_path))
+
+
+def write_vocab(path: Path, model: str, tokens: list[str], types: list[int], **kv: object) -> GGUFFile:
+    """A vocabulary-only GGUF; `kv` holds extra tokenizer.ggml.* keys (scores, merges, pre, ids, flags)."""
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model(model)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    for key, value in kv.items():
+        if isinstance(value, list):
+            writer.add_array(f"tokenizer.ggml.{key}", value)
+        elif isinstance(value, bool):
+            writer.add_bool(f"tokenizer.ggml.{key}", value)
+        elif isinstance(value, int):
+            writer.add_uint32(f"tokenizer.ggml.{key}", value)
+        else:
+            writer.add_string(f"tokenizer.ggml.{key}", str(value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFFile(path)
+
+
+# -- SmolLM2 (gpt2 BPE, pre "smollm") ---------------------------------------------------------------
+
+
+def test_smollm2_goldens(smollm2: Tokenizer, tokenizer_goldens: list[dict]) -> None:
+    assert tokenizer_goldens
+    for case in tokenizer_goldens:
+        text, ids = case["text"], case["ids"]
+        assert ids == case["llama_cpp_ids"]
+        assert smollm2.encode(text, add_special=False) == ids, text
+        assert smollm2.encode(text) == ids, text  # SmolLM2 sets add_bos_token false
+        assert smollm2.decode(ids) == case["decoded"], text
+        assert b"".join(smollm2.token_bytes(i) for i in ids) == case["decoded"].encode(), text
+
+
+def test_smollm2_special_tokens(smollm2: Tokenizer) -> None:
+    assert smollm2.vocab_size == 49152
+    assert (smollm2.bos_id, smollm2.eos_id, smollm2.add_bos, smollm2.add_eos) == (1, 2, False, False)
+    assert (smollm2.bos_token, smollm2.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert smollm2.special_ids == frozenset(range(17))  # the 17 control tokens
+    # <|endoftext|> and <|im_end|> by text, <reponame> as llama.cpp's FIM repo token
+    assert smollm2.eog_ids == frozenset({0, 2, 4})
+    assert smollm2.encode("<|im_start|>user") == [1, 4093]
+    literal = smollm2.encode("<|im_start|>user", parse_special=False)
+    assert len(literal) > 2 and not set(literal) & smollm2.special_ids
+    assert smollm2.decode(literal) == "<|im_start|>user"
+    ids = smollm2.encode("<|im_start|>user\nHi<|im_end|>")
+    assert smollm2.decode(ids, skip_special=True) == "user\nHi"
+    assert smollm2.piece(2) == "<|im_end|>" and smollm2.token_bytes(2) == b"<|im_end|>"
+
+
+def test_smollm2_streaming_bytes(smollm2: Tokenizer) -> None:
+    text = "emoji 🙂👍🏽 日本語 naïve"
+    ids = smollm2.encode(text)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    assert "".join(decoder.decode(smollm2.token_bytes(i)) for i in ids) == text
+    partial = [i for i in ids if smollm2.token_bytes(i)[-1:] >= b"\x80" and "\ufffd" in smollm2.piece(i)]
+    assert partial, "some token should hold part of a multi-byte character"
+
+
+def test_smollm2_build_time(smollm2_path: Path) -> None:
+    file = GGUFFile(smollm2_path)
+    start = time.perf_counter()
+    Tokenizer.from_gguf(file)
+    assert time.perf_counter() - start < 1.0  # about 0.09 s measured; generous for a shared CI core
+
+
+# -- tiny-llama fixture (gpt2 BPE, pre "default", 512 tokens, 4 merges) -----------------------------
+
+
+def test_tiny_llama_round_trip() -> None:
+    tok = Tokenizer.from_gguf(GGUFFile(TINY_LLAMA_F32))
+    assert tok.vocab_size == 512 and tok.eog_ids == frozenset({0, 2})
+    for text in ("the cat sat on the mat", "Hello, World! 12345 +-=<>", "tab\tnew\nline  two   ", "'s 'll ~^|$"):
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert tok.encode(" the") == [259, 260]  # merges "Ġ t" then "h e"
+    assert tok.encode("<|im_start|>hi<|im_end|>") == [1, 74, 75, 2]
+
+
+# -- synthetic vocabularies ----------------------------------------------------------------------------
+
+
+SPM_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "▁h", "▁w", "or", "llo", "▁he", "▁hello", "ld", "▁wor", "▁world"]
+
+
+def spm_vocab(tmp_path: Path, **kv: object) -> Tokenizer:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES + ["<think>"]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES) + [4]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))] + [0.0]
+    file = write_vocab(tmp_path / "spm.gguf", "llama", tokens, types, scores=scores, bos_token_id=1,
+                       eos_token_id=2, unknown_token_id=0, **kv)
+    return Tokenizer.from_gguf(file)
+
+
+def names(tok: Tokenizer, ids: list[int]) -> list[str]:
+    return [tok.backend.id_to_token(i) for i in ids]
+
+
+def test_sentencepiece(tmp_path: Path) -> None:
+    tok = spm_vocab(tmp_path)
+    assert tok.add_bos and tok.bos_id == 1 and tok.eog_ids == frozenset({2})
+    ids = tok.encode("hello world")
+    assert names(tok, ids) == ["<s>", "▁hello", "▁world"]
+    assert tok.decode(ids) == "<s> hello world"  # bytes as they are: no leading-space strip
+    assert tok.decode(ids, skip_special=True) == " hello world"
+    # a character outside the vocabulary falls back to its UTF-8 bytes
+    assert names(tok, tok.encode("hé", add_special=False)) == ["▁h", "<0xC3>", "<0xA9>"]
+    assert tok.token_bytes(tok.encode("é", add_special=False)[1]) == b"\xc3"
+    # every fragment after a special token gets the space prefix, as llama.cpp does
+    assert names(tok, tok.encode("hello<think>world", add_special=False)) == ["▁hello", "<think>", "▁world"]
+    assert names(tok, tok.encode("<s>hello", add_special=False, parse_special=False))[:2] == ["▁", "<0x3C>"]
+
+
+def test_sentencepiece_without_space_prefix(tmp_path: Path) -> None:
+    tok = spm_vocab(tmp_path, add_space_prefix=False, add_bos_token=False)
+    assert names(tok, tok.encode("hello world")) == ["he", "llo", "▁world"]
+
+
+BYTE_CHARS = list(BYTE_LEVEL_CHARS)
+
+
+def bpe_vocab(tmp_path: Path, pre: str, **kv: object) -> Tokenizer:
+    tokens = BYTE_CHARS + ["Ġt", "he", "Ġthe", "12", "123", "<|eot_id|>", "<think>", "<|fim_pad|>", "</s>"]
+    types = [1] * (len(tokens) - 4) + [3, 4, 3, 1]
+    merges = ["Ġ t", "h e", "Ġt he", "1 2", "12 3"]
+    return Tokenizer.from_gguf(write_vocab(tmp_path / "bpe.gguf", "gpt2", tokens, types, merges=merges, pre=pre,
+                                           bos_token_id=0, eos_token_id=1, **kv))
+
+
+def test_byte_level_special_tokens(tmp_path: Path) -> None:
+    tok = bpe_vocab(tmp_path, "llama-bpe")
+    eot, think, fim_pad, end_s = (len(BYTE_CHARS) + i for i in range(5, 9))
+    assert tok.add_bos  # llama.cpp's default for llama3-style vocabularies
+    assert tok.eog_ids == frozenset({1, eot, fim_pad, end_s})
+    assert end_s in tok.special_ids and think not in tok.special_ids
+    assert tok.encode("a<think>b<|eot_id|>", add_special=False) == [ord("a"), think, ord("b"), eot]
+    literal = tok.encode("<think><|eot_id|>", add_special=False, parse_special=False)
+    assert literal[0] == think and eot not in literal
+    assert tok.encode(" the", add_special=False) == [len(BYTE_CHARS) + 2]
+
+
+@pytest.mark.parametrize(("pre", "pieces"), [
+    ("llama-bpe", ["123", "4"]), ("default", ["123", "4"]), ("qwen2", ["1", "2", "3", "4"]), ("smollm", ["1", "2", "3", "4"]),
+])
+def test_byte_level_digit_splits(tmp_path: Path, pre: str, pieces: list[str]) -> None:
+    tok = bpe_vocab(tmp_path, pre)
+    assert names(tok, tok.encode("1234", add_special=False)) == pieces
+
+
+def test_unsupported_vocabularies(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="pre-tokenizer 'no-such-pre'"):
+        bpe_vocab(tmp_path, "no-such-pre")
+    with pytest.raises(ModelLoadError, match="tokenizer model 'bert'"):
+        Tokenizer.from_gguf(write_vocab(tmp_path / "bert.gguf", "bert", ["[CLS]"], [3]))
+
+
+@pytest.mark.parametrize("name", sorted(PRE_TOKENIZERS))
+def test_pre_tokenizer_regexes_compile(name: str) -> None:
+    pre = pre_tokenizer(name)
+    assert pre is not None
+    splitter = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes])
+    pieces = splitter.pre_tokenize_str("Hello, it's 2024!  日本語\n")
+    assert "".join(p for p, _ in pieces) == "Hello, it's 2024!  日本語\n"
+
+
+def test_pre_tokenizer_default_when_unnamed() -> None:
+    assert pre_tokenizer(None) is pre_tokenizer("default") is not None
