@@ -9,6 +9,7 @@ the device and returns one id per sequence.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -49,6 +50,19 @@ def compute_dtype(gguf: GGUFFile) -> mx.Dtype:
     return mx.bfloat16 if GGMLQuantizationType.BF16 in types else mx.float16
 
 
+@dataclass
+class _Speculation:
+    """A greedy step queued on the device for `caches`, fed with the ids the last one returned."""
+
+    caches: list[MLXKVCache]
+    ids: mx.array
+    inputs: np.ndarray | None = None
+
+    def continues(self, caches: Sequence[MLXKVCache], token_ids: Sequence[int]) -> bool:
+        return (len(caches) == len(self.caches) and all(a is b for a, b in zip(caches, self.caches, strict=True))
+                and self.inputs is not None and np.array_equal(self.inputs, np.asarray(token_ids)))
+
+
 class MLXEngine:
     """A GGUF model on MLX's default device (Metal on a Mac, CUDA or the CPU backend elsewhere)."""
 
@@ -71,6 +85,7 @@ class MLXEngine:
             mx.eval(self.model.parameters())
         self.quant_summary = summarize(choices)
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        self._speculation: _Speculation | None = None
         self._geometry = f"{config.n_layers}x{config.n_kv_heads}x{config.head_dim}:{self.dtype}"
 
     def _arrays(self, gguf: GGUFFile, progress: Progress | None,
@@ -100,20 +115,31 @@ class MLXEngine:
             raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
         return ids.astype(np.uint32)
 
-    def _step(self, caches: Sequence[MLXKVCache], token_ids: Sequence[int]) -> mx.array:
-        """Lazy logits `[batch, vocab]` of one decode step; the caches advance by one."""
+    def _step(self, caches: Sequence[MLXKVCache], tokens: mx.array) -> mx.array:
+        """Lazy logits `[batch, vocab]` of one decode step, whose K/V the caches' layers take
+        (`n`, the committed length, is the caller's to advance)."""
+        layers = caches[0].own() if len(caches) == 1 else Batch.of(caches).layers
+        return self._head(self.model.model(tokens[:, None], cache=layers)[:, -1, :])
+
+    def _start(self, caches: Sequence[MLXKVCache], token_ids: Sequence[int]) -> mx.array:
+        """Checks, then any queued speculation is dropped and the step's token ids go up."""
         if not caches or len(caches) != len(token_ids):
             raise ValueError("decode needs one token id per cache")
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("a cache appears twice in one decode step")
         for cache in caches:
             cache.reserve(1)
-        layers = caches[0].own() if len(caches) == 1 else Batch.of(caches).layers
-        tokens = mx.array(self._check_ids(token_ids))[:, None]
-        logits = self._head(self.model.model(tokens, cache=layers)[:, -1, :])
-        for cache in caches:
-            cache.n += 1
-        return logits
+        tokens = mx.array(self._check_ids(token_ids))
+        self._settle()
+        return tokens
+
+    def _settle(self) -> None:
+        """Undo a speculative step nobody took: its caches drop the position it appended."""
+        spec, self._speculation = self._speculation, None
+        if spec is not None:
+            layers = spec.caches[0].layers if len(spec.caches) == 1 else spec.caches[0].batch.layers
+            for layer in layers:
+                layer.trim(1)
 
     # -- the engine protocol -----------------------------------------------------------------
 
@@ -127,6 +153,7 @@ class MLXEngine:
         cache.reserve(len(ids))
         out = []
         with mx.stream(self._stream):
+            self._settle()
             layers = cache.own()
             for start in range(0, len(ids), PREFILL_CHUNK):
                 chunk = ids[start:start + PREFILL_CHUNK]
@@ -140,17 +167,40 @@ class MLXEngine:
 
     def decode(self, caches: Sequence[MLXKVCache], token_ids: Sequence[int]) -> np.ndarray:
         with mx.stream(self._stream):
-            return np.array(self._step(caches, token_ids).astype(mx.float32))
+            logits = self._step(caches, self._start(caches, token_ids)).astype(mx.float32)
+            for cache in caches:
+                cache.n += 1
+            return np.array(logits)
 
     def decode_argmax(self, caches: Sequence[MLXKVCache], token_ids: Sequence[int]) -> np.ndarray:
-        """Greedy step on the device: the ids `decode`'s logits would argmax to, without copying them."""
+        """Greedy step on the device: the ids `decode`'s logits would argmax to, without copying
+        them. Like mlx-lm's generation loop, it queues the next step on the returned ids before
+        waiting for them, so the device never idles while Python builds a step; that step is
+        used when the next call continues those sequences with those ids, else undone."""
         with mx.stream(self._stream):
-            return np.array(mx.argmax(self._step(caches, token_ids).astype(mx.float32), axis=-1)).astype(np.int64)
+            spec = self._speculation
+            if spec is not None and spec.continues(caches, token_ids):
+                self._speculation, ids = None, spec.ids
+            else:
+                ids = self._greedy(caches, self._start(caches, token_ids))
+            for cache in caches:
+                cache.n += 1
+            if all(c.n < c.capacity for c in caches):
+                self._speculation = _Speculation(list(caches), self._greedy(caches, ids))
+                mx.async_eval(self._speculation.ids)
+            out = np.array(ids).astype(np.int64)
+            if self._speculation is not None:
+                self._speculation.inputs = out
+            return out
+
+    def _greedy(self, caches: Sequence[MLXKVCache], tokens: mx.array) -> mx.array:
+        return mx.argmax(self._step(caches, tokens).astype(mx.float32), axis=-1)
 
     def truncate(self, cache: MLXKVCache, n: int) -> None:
         if not 0 <= n <= cache.length:
             raise ValueError(f"cannot truncate a cache of {cache.length} positions to {n}")
         with mx.stream(self._stream):
+            self._settle()
             for layer in cache.own():
                 layer.trim(layer.offset - n)
         cache.n = n
@@ -162,6 +212,7 @@ class MLXEngine:
             self.truncate(src, n)
             return
         with mx.stream(self._stream):
+            self._settle()
             dst.own()
             dst.layers = [self._fresh(layer.keys, layer.values, n) for layer in src.own()]
             mx.eval([(layer.keys, layer.values) for layer in dst.layers if layer.keys is not None])
@@ -178,6 +229,7 @@ class MLXEngine:
     def save_cache(self, cache: MLXKVCache, path: Path) -> None:
         arrays: dict[str, mx.array] = {}
         with mx.stream(self._stream):
+            self._settle()
             for i, layer in enumerate(cache.own()):
                 if cache.n:
                     arrays[f"{i}.keys"] = layer.keys[..., :cache.n, :]

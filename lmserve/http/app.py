@@ -6,11 +6,13 @@ Route handlers only parse, submit and render; each route also answers without th
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
+from litestar.static_files import create_static_files_router
 
 from lmserve import __version__
 from lmserve.core.errors import RequestError, invalid
@@ -25,6 +27,7 @@ from lmserve.http.response_store import ResponseStore
 from lmserve.runtime import Runtime
 
 log = logging.getLogger("lmserve.http")
+STATIC = Path(__file__).parent / "static"
 
 
 def both(path: str) -> list[str]:
@@ -36,10 +39,16 @@ def create_app(runtime: Runtime, cors_origins: list[str] | None = None) -> Lites
     model = runtime.model
 
     def model_card() -> dict[str, Any]:
-        return {"id": model.model_id, "object": "model", "created": int(runtime.options.started_at),
-                "owned_by": "lmserve", "context_window": runtime.ctx, "max_model_len": runtime.ctx}
+        return {
+            "id": model.model_id,
+            "object": "model",
+            "created": int(runtime.options.started_at),
+            "owned_by": "lmserve",
+            "context_window": runtime.ctx,
+            "max_model_len": runtime.ctx,
+        }
 
-    @post(both("/v1/chat/completions"))
+    @post(both("/v1/chat/completions"), status_code=200)
     async def chat_completions(request: Request) -> Response:
         body = await read_json(request)
         chat, options = parse_chat(body, model.tokenizer.vocab_size)
@@ -54,7 +63,7 @@ def create_app(runtime: Runtime, cors_origins: list[str] | None = None) -> Lites
 
     responses_store = ResponseStore()
 
-    @post(both("/v1/responses"))
+    @post(both("/v1/responses"), status_code=200)
     async def responses(request: Request) -> Response:
         body = await read_json(request)
         call = parse_responses(body, model.tokenizer.vocab_size, responses_store)
@@ -67,7 +76,7 @@ def create_app(runtime: Runtime, cors_origins: list[str] | None = None) -> Lites
             return openai_error(failure_error(events[-1]))
         return json_response(renderer.response(events))
 
-    @post(both("/v1/messages"))
+    @post(both("/v1/messages"), status_code=200)
     async def messages(request: Request) -> Response:
         body = await read_json(request)
         chat = parse_messages(body, model.tokenizer.vocab_size)
@@ -80,7 +89,7 @@ def create_app(runtime: Runtime, cors_origins: list[str] | None = None) -> Lites
             return anthropic_error(failure_error(events[-1]))
         return json_response(renderer.message(events))
 
-    @post(both("/v1/messages/count_tokens"))
+    @post(both("/v1/messages/count_tokens"), status_code=200)
     async def count_tokens(request: Request) -> Response:
         body = await read_json(request)
         chat = parse_messages(body, model.tokenizer.vocab_size, require_max_tokens=False)
@@ -97,28 +106,40 @@ def create_app(runtime: Runtime, cors_origins: list[str] | None = None) -> Lites
     @get("/health")
     async def health() -> Response:
         scheduler = runtime.scheduler
-        return json_response({
-            "status": "ok", "model": model.model_id, "engine": runtime.engine.name,
-            "device": runtime.engine.device, "context": runtime.ctx,
-            "queue_depth": scheduler.queue_depth, "active_sequences": scheduler.active_sequences,
-            "auth_required": bool(runtime.options.api_key), "version": __version__,
-        })
+        return json_response(
+            {
+                "status": "ok",
+                "model": model.model_id,
+                "engine": runtime.engine.name,
+                "device": runtime.engine.device,
+                "context": runtime.ctx,
+                "queue_depth": scheduler.queue_depth,
+                "active_sequences": scheduler.active_sequences,
+                "auth_required": bool(runtime.options.api_key),
+                "version": __version__,
+            }
+        )
 
-    @post("/tokenize")
+    @get("/", include_in_schema=False)
+    async def chat_page() -> Response:
+        return Response((STATIC / "index.html").read_bytes(), media_type=MediaType.HTML)
+
+    @post("/tokenize", status_code=200)
     async def tokenize(request: Request) -> Response:
         body = await read_json(request)
         content = fields.string(body, "content")
         if content is None:
             raise invalid("content", "is required and must be a string")
-        ids = model.tokenizer.encode(content, add_special=fields.boolean(body, "add_special", False),
-                                     parse_special=True)
+        ids = model.tokenizer.encode(
+            content, add_special=fields.boolean(body, "add_special", False), parse_special=True
+        )
         if fields.boolean(body, "with_pieces"):
             tokens: list[Any] = [{"id": i, "piece": _piece_json(model.tokenizer.token_bytes(i))} for i in ids]
         else:
             tokens = ids
         return json_response({"tokens": tokens})
 
-    @post("/detokenize")
+    @post("/detokenize", status_code=200)
     async def detokenize(request: Request) -> Response:
         body = await read_json(request)
         ids = fields.array(body, "tokens")
@@ -128,7 +149,19 @@ def create_app(runtime: Runtime, cors_origins: list[str] | None = None) -> Lites
         return json_response({"content": model.tokenizer.decode(ids)})
 
     return Litestar(
-        route_handlers=[chat_completions, responses, messages, count_tokens, list_models, get_model, health, tokenize, detokenize],
+        route_handlers=[
+            chat_completions,
+            responses,
+            messages,
+            count_tokens,
+            list_models,
+            get_model,
+            health,
+            tokenize,
+            detokenize,
+            chat_page,
+            create_static_files_router(path="/static", directories=[STATIC], include_in_schema=False),
+        ],
         exception_handlers={RequestError: _request_error, HTTPException: _http_error, Exception: _crash},
         cors_config=CORSConfig(allow_origins=cors_origins) if cors_origins else None,
         openapi_config=None,

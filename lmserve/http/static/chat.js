@@ -26,13 +26,6 @@
   let history = []; // [{role, content}] sent with every request
   let controller = null; // AbortController of the reply being streamed
 
-  class HttpError extends Error {
-    constructor(status, message) {
-      super(message);
-      this.status = status;
-    }
-  }
-
   function headers(extra = {}) {
     const key = els.apiKey.value.trim();
     return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
@@ -66,7 +59,7 @@
     const response = await fetch(path, { ...options, headers: headers(options.headers) });
     if (!response.ok) {
       if (response.status === 401) showAuth("This server requires an API key.");
-      throw new HttpError(response.status, await errorMessage(response));
+      throw new Error(await errorMessage(response));
     }
     return response;
   }
@@ -214,8 +207,8 @@
     const parts = [];
     if (usage?.completion_tokens) {
       parts.push(`${usage.completion_tokens} tokens`);
-      const seconds = (performance.now() - (firstToken ?? started)) / 1000;
-      if (firstToken && seconds > 0 && usage.completion_tokens > 1) {
+      const seconds = firstToken ? (performance.now() - firstToken) / 1000 : 0;
+      if (seconds > 0 && usage.completion_tokens > 1) {
         parts.push(`${((usage.completion_tokens - 1) / seconds).toFixed(1)} tok/s`);
       }
     }
@@ -229,7 +222,8 @@
     if (!text || controller) return;
     els.prompt.value = "";
     const userMessage = addUserMessage(text);
-    history.push({ role: "user", content: text });
+    const conversation = history; // "New chat" swaps in a fresh array; this reply stays with its own
+    conversation.push({ role: "user", content: text });
     const reply = addAssistantMessage();
     scrollToEnd(true);
     setStreaming(true);
@@ -276,9 +270,9 @@
     reply.article.dataset.state = state;
     reply.article.removeAttribute("aria-busy");
     if (reply.answer && state !== "error") {
-      history.push({ role: "assistant", content: reply.answer });
+      conversation.push({ role: "assistant", content: reply.answer });
     } else {
-      history.pop(); // the user turn got no answer: leave it out of the next request
+      conversation.pop(); // the user turn got no answer: leave it out of the next request
       userMessage.dataset.state = "failed";
     }
     const summary = describe(usage, finishReason, started, firstToken);
