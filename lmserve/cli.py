@@ -32,6 +32,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto: MLX when it has a GPU, else the NumPy engine")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for the worker (default 16)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    p.add_argument("--kv-slots", type=int, default=4,
+                   help="resident KV caches reused across requests (default 4, at least --batch)")
+    p.add_argument("--kv-slots-force", action="store_true",
+                   help="keep --kv-slots even when the RAM guard finds they do not fit")
+    p.add_argument("--kv-cache-dir", type=Path, default=None,
+                   help="spill evicted KV slots to files here; they survive restarts (off by default)")
+    p.add_argument("--kv-disk-slots", type=int, default=8, help="KV cache files kept on disk (default 8)")
     p.add_argument("--conns", type=int, default=32, help="concurrent connections; beyond, 503 (default 32)")
     p.add_argument("--api-key", default=os.environ.get("LMSERVE_API_KEY"),
                    help="require this key (Authorization: Bearer or x-api-key); env LMSERVE_API_KEY")
@@ -86,6 +93,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def kv_line(runtime) -> str:
+    budget = runtime.slot_budget
+    line = f"{budget.slots} x up to {human_bytes(budget.per_slot)}"
+    if budget.clamped:
+        line += f" (clamped from {budget.asked} by the RAM guard: see the warning above)"
+    if runtime.options.kv_cache_dir:
+        line += f"; disk tier {runtime.options.kv_cache_dir} ({runtime.options.kv_disk_slots} files)"
+    return line
+
+
 def banner(runtime, ready_s: float) -> str:
     cfg = runtime.model.config
     engine = runtime.engine
@@ -97,7 +114,8 @@ def banner(runtime, ready_s: float) -> str:
         ("engine", f"{engine.name} on {engine.device}"),
         ("context", f"{runtime.ctx} tokens (trained {cfg.context_length})"),
         ("weights", human_bytes(engine.weight_bytes)),
-        ("batch / queue", f"{runtime.options.max_batch} / {runtime.options.max_queue}"),
+        ("batch / queue", f"{runtime.scheduler.max_batch} / {runtime.options.max_queue}"),
+        ("KV slots", kv_line(runtime)),
         ("listening", f"http://{runtime.options.host}:{runtime.options.port}"),
         ("ready in", f"{ready_s:.2f} s"),
     ]
@@ -106,6 +124,12 @@ def banner(runtime, ready_s: float) -> str:
         rows.insert(3, ("conversion", summary))
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"lmserve {__version__}"] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def injected_available_memory() -> int | None:
+    """Test hook: LMSERVE_AVAILABLE_MEMORY (bytes) stands in for psutil's available memory."""
+    value = os.environ.get("LMSERVE_AVAILABLE_MEMORY")
+    return int(value) if value else None
 
 
 def default_max_body(ctx: int) -> int:
@@ -156,8 +180,15 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"lmserve: --ctx {ctx} is too small (at least 16)")
     engine = load_engine(args.engine, model.gguf, model.config, LoadProgress("loading weights"))
     options = ServerOptions(host=args.host, port=args.port, ctx=ctx, max_queue=args.queue,
-                            max_batch=args.batch, api_key=args.api_key)
-    runtime = Runtime(model, engine, options)
+                            max_batch=args.batch, api_key=args.api_key, kv_slots=args.kv_slots,
+                            kv_slots_force=args.kv_slots_force, kv_cache_dir=args.kv_cache_dir,
+                            kv_disk_slots=args.kv_disk_slots, available_memory=injected_available_memory())
+    try:
+        runtime = Runtime(model, engine, options)
+    except OSError as exc:
+        raise SystemExit(f"lmserve: cannot use --kv-cache-dir {args.kv_cache_dir}: {exc}") from None
+    if runtime.slot_budget.warning:
+        logging.getLogger("lmserve.ram").warning("RAM guard: %s", runtime.slot_budget.warning)
     runtime.start()
     guard = GuardOptions(api_key=args.api_key, max_conns=args.conns,
                          max_body=args.max_body or default_max_body(ctx),

@@ -9,12 +9,16 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lmserve.core.errors import RequestError
 from lmserve.core.prompt import PromptBuilder
 from lmserve.core.types import ChatRequest, SamplingParams
 from lmserve.engine.jobs import EventChannel, GenerationJob
+from lmserve.engine.kv_disk import DiskTier
+from lmserve.engine.kv_slots import SlotPool
 from lmserve.engine.protocol import Engine
+from lmserve.engine.ram_guard import plan_slots
 from lmserve.engine.scheduler import QueueFull, Scheduler
 from lmserve.model.loader import LoadedModel
 
@@ -29,6 +33,11 @@ class ServerOptions:
     max_queue: int = 16
     max_batch: int = 1
     api_key: str | None = None
+    kv_slots: int = 4
+    kv_slots_force: bool = False
+    kv_cache_dir: Path | None = None
+    kv_disk_slots: int = 8
+    available_memory: int | None = None  # None: ask psutil (tests inject a figure)
     started_at: float = field(default_factory=time.time)
 
 
@@ -41,7 +50,16 @@ class Runtime:
         self.options = options
         self.ctx = options.ctx
         self.prompts = PromptBuilder(model.tokenizer, model.template)
-        self.scheduler = Scheduler(engine, model.tokenizer, options.ctx, options.max_queue, options.max_batch)
+        cfg = model.config
+        per_token = cfg.kv_bytes_per_token(getattr(engine, "kv_dtype_bytes", 4))
+        self.slot_budget = plan_slots(max(options.kv_slots, options.max_batch), per_token, options.ctx,
+                                      options.available_memory, force=options.kv_slots_force)
+        disk = None
+        if options.kv_cache_dir is not None:
+            disk = DiskTier(options.kv_cache_dir, model.gguf.header_digest(),
+                            [engine.name, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim], options.kv_disk_slots)
+        self.slots = SlotPool(engine, self.slot_budget.slots, options.ctx, disk)
+        self.scheduler = Scheduler(engine, model.tokenizer, self.slots, options.max_queue, options.max_batch)
 
     def start(self) -> None:
         self.scheduler.start()

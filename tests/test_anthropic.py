@@ -37,7 +37,7 @@ def test_messages_create(client):
     assert msg.type == "message" and msg.role == "assistant"
     assert msg.content[0].type == "text" and msg.content[0].text == "The capital of France is Paris."
     assert msg.stop_reason == "end_turn" and msg.stop_sequence is None
-    assert msg.usage.input_tokens == 37 and msg.usage.output_tokens == 8
+    assert msg.usage.input_tokens == 37 and msg.usage.output_tokens == 7
 
 
 def test_messages_stream_with_text_stream_and_final_message(client):
@@ -46,7 +46,7 @@ def test_messages_stream_with_text_stream_and_final_message(client):
         final = stream.get_final_message()
     assert "".join(pieces) == "The capital of France is Paris."
     assert final.content[0].text == "".join(pieces)
-    assert final.stop_reason == "end_turn" and final.usage.output_tokens == 8
+    assert final.stop_reason == "end_turn" and final.usage.output_tokens == 7
 
 
 def test_stop_sequence_attribution(client):

@@ -27,7 +27,7 @@ def test_stream_true(client):
                                                  stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "The capital of France is Paris."
-    assert chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.completion_tokens == 7
 
 
 def test_stream_helper_final_completion(client):

@@ -43,6 +43,7 @@ class GenerationJob:
     stop: list[str] = field(default_factory=list)
     session_id: str | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    cached_tokens: int = 0  # prompt tokens found in a KV slot; set by the worker before any event
     done: bool = False
 
     def cancel(self) -> None:

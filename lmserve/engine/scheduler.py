@@ -11,14 +11,15 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from lmserve.core.events import Failed, Finished, Usage
 from lmserve.core.token_stream import TokenStream
 from lmserve.engine.jobs import GenerationJob
-from lmserve.engine.protocol import Engine, KVCache
+from lmserve.engine.kv_slots import Slot, SlotPool
+from lmserve.engine.protocol import Engine
 from lmserve.engine.sampling import Sampler, token_logprob
 from lmserve.model.tokenizer import Tokenizer
 
@@ -31,15 +32,22 @@ class QueueFull(Exception):
 
 @dataclass
 class _Sequence:
-    """A job being decoded: its cache, sampler, text state and last sampled token."""
+    """A job being decoded: its KV slot, sampler, text state and the tokens it produced."""
 
     job: GenerationJob
-    cache: KVCache
+    slot: Slot
     sampler: Sampler
     stream: TokenStream
-    last_token: int = -1
-    generated: int = 0
     cached_tokens: int = 0
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def cache(self):
+        return self.slot.cache
+
+    @property
+    def last_token(self) -> int:
+        return self.generated[-1]
 
 
 class Scheduler:
@@ -49,15 +57,16 @@ class Scheduler:
         self,
         engine: Engine,
         tokenizer: Tokenizer,
-        ctx: int,
+        slots: SlotPool,
         max_queue: int = 16,
         max_batch: int = 1,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.ctx = ctx
+        self.slots = slots
+        self.ctx = slots.ctx
         self.max_queue = max_queue
-        self.max_batch = max(1, max_batch)
+        self.max_batch = max(1, min(max_batch, len(slots.slots)))
         self.tokens_generated = 0  # every token the engine produced, for tests and metrics
         self._queue: deque[GenerationJob] = deque()
         self._active: list[_Sequence] = []
@@ -87,6 +96,8 @@ class Scheduler:
         with self._cv:
             if self._stopping:
                 raise QueueFull("server is shutting down")
+            if len(self._queue) >= self.max_queue:  # cancelled jobs give their place back first
+                self._queue = deque(j for j in self._queue if not j.cancelled.is_set())
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
             self._queue.append(job)
@@ -94,7 +105,7 @@ class Scheduler:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._queue)
+        return sum(not j.cancelled.is_set() for j in self._queue)
 
     @property
     def active_sequences(self) -> int:
@@ -120,46 +131,68 @@ class Scheduler:
 
     def _shutdown(self) -> None:
         with self._cv:
-            pending = list(self._queue) + [seq.job for seq in self._active]
+            pending = list(self._queue)
             self._queue.clear()
-            self._active.clear()
+        for seq in self._active:
+            self._retire(seq)
+            pending.append(seq.job)
+        self._active = []
         for job in pending:
             job.emit(Failed("the server is shutting down", 503, "overloaded_error"))
 
     def _admit(self, job: GenerationJob) -> None:
         if job.cancelled.is_set():
             return
+        adoption = None
         try:
-            cache = self.engine.new_cache(self.ctx)
-            logits = self.engine.prefill(cache, job.prompt_ids)
-            seq = _Sequence(job, cache, Sampler(job.sampling, job.prompt_ids),
-                            TokenStream(self.tokenizer.token_bytes, job.stop))
+            adoption = self.slots.acquire(job.prompt_ids, job.session_id)
+            if adoption is None:  # cannot happen while slots >= batch; fail loudly if it does
+                raise RuntimeError("no free KV slot")
+            job.cached_tokens = adoption.reused
+            seq = _Sequence(job, adoption.slot, Sampler(job.sampling, job.prompt_ids),
+                            TokenStream(self.tokenizer.token_bytes, job.stop), adoption.reused)
+            logits = self.engine.prefill(seq.cache, job.prompt_ids[adoption.reused:])
             if not self._advance(seq, logits=logits):
                 self._active.append(seq)
         except Exception as exc:  # one request's failure never takes the worker down
             log.exception("prefill failed")
+            if adoption is not None:
+                self.slots.release(adoption.slot, [])
             job.emit(Failed(f"generation failed: {exc}"))
 
     def _step(self) -> None:
+        for seq in self._active:
+            if seq.job.cancelled.is_set():
+                self._retire(seq)
         self._active = [s for s in self._active if not s.job.cancelled.is_set()]
         if not self._active:
             return
         caches = [s.cache for s in self._active]
         tokens = [s.last_token for s in self._active]
+        device_greedy = self._device_argmax and not any(s.job.sampling.needs_host_logits for s in self._active)
         try:
-            if self._device_argmax and not any(s.job.sampling.needs_host_logits for s in self._active):
-                ids = self._device_argmax(caches, tokens)
-                finished = [self._advance(s, token=int(t)) for s, t in zip(self._active, ids, strict=True)]
-            else:
-                logits = self.engine.decode(caches, tokens)
-                finished = [self._advance(s, logits=row) for s, row in zip(self._active, logits, strict=True)]
-        except Exception as exc:
+            rows = self._device_argmax(caches, tokens) if device_greedy else self.engine.decode(caches, tokens)
+        except Exception as exc:  # the engine step failed: every sequence in it fails
             log.exception("decode step failed")
             for seq in self._active:
-                seq.job.emit(Failed(f"generation failed: {exc}"))
+                self._fail(seq, exc)
             self._active = []
             return
-        self._active = [s for s, done in zip(self._active, finished, strict=True) if not done]
+        still = []
+        for seq, row in zip(self._active, rows, strict=True):
+            try:
+                done = self._advance(seq, token=int(row)) if device_greedy else self._advance(seq, logits=row)
+            except Exception as exc:  # one sequence's failure leaves the others decoding
+                log.exception("sequence failed")
+                self._fail(seq, exc)
+                done = True
+            if not done:
+                still.append(seq)
+        self._active = still
+
+    def _fail(self, seq: _Sequence, exc: Exception) -> None:
+        self.slots.release(seq.slot, [])
+        seq.job.emit(Failed(f"generation failed: {exc}"))
 
     def _advance(self, seq: _Sequence, logits: np.ndarray | None = None, token: int | None = None) -> bool:
         """Sample (unless the device already did), stream the token; True when the job is over."""
@@ -170,8 +203,9 @@ class Scheduler:
             seq.sampler.accept(token)
             adjusted = None
         self.tokens_generated += 1
-        seq.generated += 1
-        if token in self.tokenizer.eog_ids:
+        seq.generated.append(token)
+        if token in self.tokenizer.eog_ids:  # the end-of-turn token is not part of the reply
+            seq.generated.pop()
             return self._finish(seq, "stop")
         lp = None
         if job.sampling.logprobs and adjusted is not None:
@@ -182,8 +216,7 @@ class Scheduler:
             job.emit(delta)
         if seq.stream.stopped:
             return self._finish(seq, "stop")
-        seq.last_token = token
-        if seq.generated >= job.max_tokens or seq.cache.length >= self.ctx:
+        if len(seq.generated) >= job.max_tokens or seq.cache.length >= self.ctx:
             return self._finish(seq, "length")
         return False
 
@@ -191,6 +224,11 @@ class Scheduler:
         tail = seq.stream.flush()
         if tail is not None:
             seq.job.emit(tail)
-        usage = Usage(len(seq.job.prompt_ids), seq.generated, seq.cached_tokens)
+        self._retire(seq)
+        usage = Usage(len(seq.job.prompt_ids), len(seq.generated), seq.cached_tokens)
         seq.job.emit(Finished(reason, usage, seq.stream.stop_sequence))
         return True
+
+    def _retire(self, seq: _Sequence) -> None:
+        """Give the slot back holding what was fed through it, for the next turn to reuse."""
+        self.slots.release(seq.slot, seq.job.prompt_ids + seq.generated)

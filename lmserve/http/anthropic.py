@@ -10,6 +10,7 @@ from typing import Any
 from lmserve.core.errors import RequestError, invalid
 from lmserve.core.events import Event, Failed, Finished, TextDelta, Usage
 from lmserve.core.types import ChatRequest, Message, SamplingParams, ToolCall
+from lmserve.engine.jobs import GenerationJob
 from lmserve.http import fields
 from lmserve.http.common import sse
 
@@ -149,10 +150,10 @@ def usage_json(usage: Usage) -> dict[str, Any]:
 class MessageRenderer:
     """One job's events -> an Anthropic message body or its SSE event sequence."""
 
-    def __init__(self, model: str, prompt_tokens: int) -> None:
+    def __init__(self, model: str, job: GenerationJob) -> None:
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.model = model
-        self.prompt_tokens = prompt_tokens
+        self.job = job
 
     def _message(self, content: list[dict[str, Any]], finish: Finished | None, usage: Usage) -> dict[str, Any]:
         return {
@@ -166,14 +167,15 @@ class MessageRenderer:
     def _stop_reason(finish: Finished) -> str:
         return "stop_sequence" if finish.stop_sequence else STOP_REASONS.get(finish.reason, "end_turn")
 
-    def message(self, events: list[Event]) -> dict[str, Any]:
+    def body(self, events: list[Event]) -> dict[str, Any]:
         text = "".join(e.text for e in events if isinstance(e, TextDelta))
         finish = next(e for e in events if isinstance(e, Finished))
         content = [{"type": "text", "text": text}] if text else []
         return self._message(content, finish, finish.usage)
 
     async def frames(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
-        start = self._message([], None, Usage(self.prompt_tokens, 0))
+        # Rendered after the first event, so the worker has already set the cached count.
+        start = self._message([], None, Usage(len(self.job.prompt_ids), 0, self.job.cached_tokens))
         yield sse({"type": "message_start", "message": start}, "message_start")
         block_open = False
         async for event in events:

@@ -6,6 +6,7 @@ Route handlers only parse, submit and render; each route also answers without th
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,19 @@ from litestar.static_files import create_static_files_router
 from lmserve import __version__
 from lmserve.core.errors import RequestError, invalid
 from lmserve.core.events import Failed
+from lmserve.core.types import ChatRequest
+from lmserve.engine.jobs import GenerationJob
 from lmserve.http import fields
 from lmserve.http.anthropic import MessageRenderer, parse_messages
-from lmserve.http.common import collect, failure_error, json_response, lazy_stream, read_json
+from lmserve.http.common import (
+    ErrorRenderer,
+    Renderer,
+    collect,
+    failure_error,
+    json_response,
+    lazy_stream,
+    read_json,
+)
 from lmserve.http.errors import anthropic_error, openai_error, renderer_for_path
 from lmserve.http.openai_chat import ChatRenderer, parse_chat
 from lmserve.http.openai_responses import ResponseRenderer, parse_responses
@@ -48,46 +59,37 @@ def create_app(runtime: Runtime, cors_origins: list[str] | None = None) -> Lites
             "max_model_len": runtime.ctx,
         }
 
+    async def generate(request: Request, chat: ChatRequest, make_renderer: Callable[[GenerationJob], Renderer],
+                       render_error: ErrorRenderer) -> Response:
+        """Submit, then stream SSE frames or answer one JSON body: the same for every dialect."""
+        chat.session_id = chat.session_id or session_hint(request)
+        job = runtime.start_chat(chat)
+        renderer = make_renderer(job)
+        if chat.stream:
+            return await lazy_stream(job, renderer.frames, render_error)
+        events = await collect(job, request)
+        if isinstance(events[-1], Failed):
+            return render_error(failure_error(events[-1]))
+        return json_response(renderer.body(events))
+
     @post(both("/v1/chat/completions"), status_code=200)
     async def chat_completions(request: Request) -> Response:
-        body = await read_json(request)
-        chat, options = parse_chat(body, model.tokenizer.vocab_size)
-        job = runtime.start_chat(chat)
-        renderer = ChatRenderer(model.model_id, chat.sampling.logprobs, options)
-        if chat.stream:
-            return await lazy_stream(job, renderer.frames, openai_error)
-        events = await collect(job)
-        if isinstance(events[-1], Failed):
-            return openai_error(failure_error(events[-1]))
-        return json_response(renderer.completion(events))
+        chat, options = parse_chat(await read_json(request), model.tokenizer.vocab_size)
+        return await generate(request, chat, lambda job: ChatRenderer(model.model_id, chat.sampling.logprobs,
+                                                                     options), openai_error)
 
     responses_store = ResponseStore()
 
     @post(both("/v1/responses"), status_code=200)
     async def responses(request: Request) -> Response:
-        body = await read_json(request)
-        call = parse_responses(body, model.tokenizer.vocab_size, responses_store)
-        job = runtime.start_chat(call.chat)
-        renderer = ResponseRenderer(model.model_id, call, responses_store)
-        if call.chat.stream:
-            return await lazy_stream(job, renderer.frames, openai_error)
-        events = await collect(job)
-        if isinstance(events[-1], Failed):
-            return openai_error(failure_error(events[-1]))
-        return json_response(renderer.response(events))
+        call = parse_responses(await read_json(request), model.tokenizer.vocab_size, responses_store)
+        return await generate(request, call.chat,
+                              lambda job: ResponseRenderer(model.model_id, call, responses_store), openai_error)
 
     @post(both("/v1/messages"), status_code=200)
     async def messages(request: Request) -> Response:
-        body = await read_json(request)
-        chat = parse_messages(body, model.tokenizer.vocab_size)
-        job = runtime.start_chat(chat)
-        renderer = MessageRenderer(model.model_id, len(job.prompt_ids))
-        if chat.stream:
-            return await lazy_stream(job, renderer.frames, anthropic_error)
-        events = await collect(job)
-        if isinstance(events[-1], Failed):
-            return anthropic_error(failure_error(events[-1]))
-        return json_response(renderer.message(events))
+        chat = parse_messages(await read_json(request), model.tokenizer.vocab_size)
+        return await generate(request, chat, lambda job: MessageRenderer(model.model_id, job), anthropic_error)
 
     @post(both("/v1/messages/count_tokens"), status_code=200)
     async def count_tokens(request: Request) -> Response:
@@ -115,6 +117,7 @@ def create_app(runtime: Runtime, cors_origins: list[str] | None = None) -> Lites
                 "context": runtime.ctx,
                 "queue_depth": scheduler.queue_depth,
                 "active_sequences": scheduler.active_sequences,
+                "kv": runtime.slots.stats(),
                 "auth_required": bool(runtime.options.api_key),
                 "version": __version__,
             }
@@ -166,6 +169,11 @@ def create_app(runtime: Runtime, cors_origins: list[str] | None = None) -> Lites
         cors_config=CORSConfig(allow_origins=cors_origins) if cors_origins else None,
         openapi_config=None,
     )
+
+
+def session_hint(request: Request) -> str | None:
+    """A client's session id (ours, or Claude Code's) steers KV slot choice toward its own slot."""
+    return request.headers.get("x-session-id") or request.headers.get("x-claude-code-session-id")
 
 
 def _piece_json(raw: bytes) -> str | list[int]:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from litestar import Request, Response
 from litestar.response import Stream
@@ -14,6 +15,14 @@ from lmserve.core.events import Event, Failed
 from lmserve.engine.jobs import GenerationJob
 
 ErrorRenderer = Callable[[RequestError], Response]
+
+
+class Renderer(Protocol):
+    """What each dialect provides for one job: SSE frames, or one JSON body."""
+
+    def frames(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]: ...
+
+    def body(self, events: list[Event]) -> dict[str, Any]: ...
 
 
 def dumps(payload: Any) -> bytes:
@@ -82,12 +91,21 @@ async def lazy_stream(
                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def collect(job: GenerationJob) -> list[Event]:
-    """All events of a non-streaming job; the job is cancelled if the caller goes away."""
+async def collect(job: GenerationJob, request: Request) -> list[Event]:
+    """All events of a non-streaming job. A client that disconnects meanwhile cancels the job,
+    so the worker stops generating for nobody."""
+
+    async def watch_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancel()
+
+    watcher = asyncio.create_task(watch_disconnect())
     out: list[Event] = []
     try:
         async for event in job.events():
             out.append(event)
     finally:
+        watcher.cancel()
         job.cancel()
     return out

@@ -191,7 +191,7 @@ class ChatRenderer:
         self.logprobs = logprobs
         self.options = options
 
-    def completion(self, events: list[Event]) -> dict[str, Any]:
+    def body(self, events: list[Event]) -> dict[str, Any]:
         text = "".join(e.text for e in events if isinstance(e, TextDelta))
         finish = next(e for e in events if isinstance(e, Finished))
         logprobs = None

@@ -254,7 +254,7 @@ class ResponseRenderer:
             self.store.put(self.id, [*self.call.conversation, Message("assistant", text)])
         return status, self._item(status, text)
 
-    def response(self, events: list[Event]) -> dict[str, Any]:
+    def body(self, events: list[Event]) -> dict[str, Any]:
         text = "".join(e.text for e in events if isinstance(e, TextDelta))
         finish = next(e for e in events if isinstance(e, Finished))
         status, item = self._finish(text, finish)

@@ -9,6 +9,7 @@ package's own (`gguf.quants.dequantize`), so every quant type it knows is suppor
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,12 @@ class GGUFFile:
         block, type_size = GGML_QUANT_SIZES[info.qtype]
         rows = raw.reshape(-1, info.shape[-1] // block * type_size)
         return gguf_quants.dequantize(rows, info.qtype).reshape(info.shape).astype(np.float32, copy=False)
+
+    def header_digest(self) -> str:
+        """SHA-256 of everything before the tensor data (metadata and tensor table): a fingerprint
+        of the model that changes when the file is replaced, computed without reading weights."""
+        end = min((t.offset for t in self.tensors.values()), default=len(self._map))
+        return hashlib.sha256(self._buf[:end]).hexdigest()
 
     def quant_mix(self) -> dict[str, int]:
         """Number of tensors per storage type, for the startup banner."""

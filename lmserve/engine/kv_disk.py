@@ -1,0 +1,154 @@
+"""The disk tier of the KV slot pool: spilled caches that survive restarts.
+
+One file per spilled slot: a magic line, a JSON header (the model's fingerprint, KV geometry,
+token ids, payload size) and the engine's own saved cache as payload. Files are written under a
+temporary name and renamed, so a crash never leaves a half-written file under a real name; a
+file that is truncated or corrupt anyway is skipped with a warning and never served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmserve.engine.protocol import Engine, KVCache
+
+log = logging.getLogger("lmserve.kv")
+
+MAGIC = b"LMSERVE-KV 1\n"
+SUFFIX = ".lmkv"
+MIN_SPILL_TOKENS = 16  # shorter prefixes are cheaper to recompute than to keep on disk
+
+
+@dataclass
+class DiskEntry:
+    path: Path
+    tokens: tuple[int, ...]
+    payload_offset: int
+    payload_size: int
+    shared: int = 0  # filled in by best_match for the prompt at hand
+
+
+class DiskTier:
+    """Index of this model's spilled caches in one directory, least recently used beyond `max_files`."""
+
+    def __init__(self, directory: Path, fingerprint: str, geometry: list, max_files: int = 8) -> None:
+        self.dir = Path(directory)
+        self.fingerprint = fingerprint
+        self.geometry = geometry
+        self.max_files = max(1, max_files)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(self.dir, os.W_OK):
+            raise PermissionError(f"KV cache directory is not writable: {self.dir}")
+        self._entries: dict[Path, DiskEntry] = {}
+        self._scan()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- index -------------------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        """Index this model's files; others are ignored, broken ones skipped with a warning."""
+        for path in sorted(self.dir.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime):
+            entry = self._read_header(path)
+            if entry is not None:
+                self._entries[path] = entry
+        self._trim()
+
+    def _read_header(self, path: Path) -> DiskEntry | None:
+        try:
+            with open(path, "rb") as f:
+                if f.readline() != MAGIC:
+                    raise ValueError("bad magic")
+                header = json.loads(f.readline())
+                offset = f.tell()
+            if header["fingerprint"] != self.fingerprint or header["geometry"] != self.geometry:
+                return None  # another model's cache: not ours to serve or delete
+            size = int(header["payload_size"])
+            if path.stat().st_size != offset + size:
+                raise ValueError(f"truncated: expected {offset + size} bytes")
+            return DiskEntry(path, tuple(int(t) for t in header["tokens"]), offset, size)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("skipping unreadable KV cache file %s: %s", path, exc)
+            return None
+
+    def best_match(self, prompt: list[int]) -> DiskEntry | None:
+        """The file sharing the longest prefix with `prompt` (its `shared` set), if any shares one."""
+        best: DiskEntry | None = None
+        for entry in self._entries.values():
+            n = 0
+            for a, b in zip(entry.tokens, prompt, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n and (best is None or n > best.shared):
+                entry.shared = n
+                best = entry
+        return best
+
+    # -- spill and restore -------------------------------------------------------------------
+
+    def spill(self, cache: KVCache, tokens: list[int], engine: Engine) -> None:
+        """Write a slot's cache; failures only log (the slot is reset either way)."""
+        if len(tokens) < MIN_SPILL_TOKENS or cache.length != len(tokens):
+            return
+        name = hashlib.sha256(f"{self.fingerprint}|{tokens}".encode()).hexdigest()[:24] + SUFFIX
+        path = self.dir / name
+        if path in self._entries:
+            os.utime(path)
+            return
+        try:
+            with tempfile.TemporaryDirectory(dir=self.dir) as tmp:
+                payload = Path(tmp) / "payload"
+                engine.save_cache(cache, payload)
+                header = {"fingerprint": self.fingerprint, "geometry": self.geometry, "tokens": tokens,
+                          "payload_size": payload.stat().st_size}
+                partial = Path(tmp) / name
+                with open(partial, "wb") as out, open(payload, "rb") as src:
+                    out.write(MAGIC + json.dumps(header).encode() + b"\n")
+                    shutil.copyfileobj(src, out)
+                os.replace(partial, path)
+        except OSError as exc:
+            log.warning("could not spill a KV cache to %s: %s", self.dir, exc)
+            return
+        entry = self._read_header(path)
+        if entry is not None:
+            self._entries[path] = entry
+        self._trim()
+
+    def load(self, entry: DiskEntry, engine: Engine, max_tokens: int) -> KVCache | None:
+        """The cache stored in `entry`, or None (and the entry dropped) when it cannot be read."""
+        try:
+            with tempfile.TemporaryDirectory(dir=self.dir) as tmp:
+                payload = Path(tmp) / "payload"
+                with open(entry.path, "rb") as src, open(payload, "wb") as out:
+                    src.seek(entry.payload_offset)
+                    shutil.copyfileobj(src, out)
+                if payload.stat().st_size != entry.payload_size:
+                    raise ValueError("truncated payload")
+                cache = engine.load_cache(payload, max_tokens)
+            if cache.length != len(entry.tokens):
+                raise ValueError(f"holds {cache.length} positions, header says {len(entry.tokens)}")
+        except Exception as exc:  # a damaged file must never take a request down
+            log.warning("skipping unreadable KV cache file %s: %s", entry.path, exc)
+            self._entries.pop(entry.path, None)
+            return None
+        os.utime(entry.path)
+        self._entries[entry.path] = self._entries.pop(entry.path)  # most recent last
+        return cache
+
+    def _trim(self) -> None:
+        while len(self._entries) > self.max_files:
+            oldest = next(iter(self._entries))
+            self._entries.pop(oldest)
+            try:
+                oldest.unlink()
+            except OSError as exc:
+                log.warning("could not remove old KV cache file %s: %s", oldest, exc)

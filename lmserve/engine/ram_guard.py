@@ -1,0 +1,45 @@
+"""Startup check that the KV slots fit in memory, clamping --kv-slots when they cannot.
+
+One slot is priced at the full context (bytes per cached token from the model's KV geometry and
+the engine's cache dtype), since any slot may fill that far. On a Mac, memory is unified: the
+available figure psutil reports is what weights and KV share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+
+
+@dataclass(frozen=True)
+class SlotBudget:
+    slots: int  # the slot count to use
+    asked: int
+    per_slot: int  # bytes one full slot costs
+    available: int
+    warning: str | None = None
+    clamped: bool = False
+
+
+def plan_slots(asked: int, per_token: int, ctx: int, available: int | None = None,
+               pending_weights: int = 0, force: bool = False) -> SlotBudget:
+    """Compare `asked` full slots (+ weights not yet resident) with available memory.
+    Above half of it: a warning with the arithmetic. Above all of it: clamp to what fits in half
+    (at least one slot), unless `force`."""
+    available = psutil.virtual_memory().available if available is None else available
+    per_slot = per_token * ctx
+    need = asked * per_slot + pending_weights
+    mib = 1024 * 1024
+    arithmetic = (f"{asked} KV slots x {per_slot / mib:.0f} MiB ({ctx} tokens x {per_token} bytes)"
+                  + (f" + {pending_weights / mib:.0f} MiB weights" if pending_weights else "")
+                  + f" = {need / mib:.0f} MiB, with {available / mib:.0f} MiB of memory available")
+    if need <= available / 2:
+        return SlotBudget(asked, asked, per_slot, available)
+    if need <= available or force:
+        verdict = "more than half of it" if need <= available else "more than all of it (kept: --kv-slots-force)"
+        return SlotBudget(asked, asked, per_slot, available, f"{arithmetic}: {verdict}")
+    fits = max(1, int((available / 2 - pending_weights) // per_slot))
+    return SlotBudget(fits, asked, per_slot, available,
+                      f"{arithmetic}: more than all of it; using {fits} slot(s), which fit in half "
+                      "(--kv-slots-force keeps the asked count)", clamped=True)
