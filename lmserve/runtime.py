@@ -17,8 +17,10 @@ from lmserve.core.types import ChatRequest, SamplingParams
 from lmserve.engine.jobs import EventChannel, GenerationJob
 from lmserve.engine.kv_disk import DiskTier
 from lmserve.engine.kv_slots import SlotPool
+from lmserve.engine.planner import ReplyPlanner
 from lmserve.engine.protocol import Engine
 from lmserve.engine.ram_guard import plan_slots
+from lmserve.engine.reply import ReplyPlan
 from lmserve.engine.scheduler import QueueFull, Scheduler
 from lmserve.model.loader import LoadedModel
 
@@ -50,6 +52,7 @@ class Runtime:
         self.options = options
         self.ctx = options.ctx
         self.prompts = PromptBuilder(model.tokenizer, model.template)
+        self.replies = ReplyPlanner(model.tokenizer, model.template)
         cfg = model.config
         per_token = cfg.kv_bytes_per_token(getattr(engine, "kv_dtype_bytes", 4))
         self.slot_budget = plan_slots(max(options.kv_slots, options.max_batch), per_token, options.ctx,
@@ -71,11 +74,13 @@ class Runtime:
         return len(self.prompts.build(request))
 
     def start_chat(self, request: ChatRequest) -> GenerationJob:
-        return self.start_job(self.prompts.build(request), request.sampling, request.max_tokens,
-                              request.stop, request.session_id)
+        prompt = self.prompts.render(request)
+        plan = self.replies.plan(request, prompt)  # compiles grammars: a bad one is a 400 here
+        return self.start_job(self.prompts.encode(prompt), request.sampling, request.max_tokens,
+                              request.stop, request.session_id, plan)
 
     def start_job(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int | None,
-                  stop: list[str], session_id: str | None = None) -> GenerationJob:
+                  stop: list[str], session_id: str | None = None, plan: ReplyPlan | None = None) -> GenerationJob:
         """Validate the prompt against the context and queue it; raises RequestError."""
         n = len(prompt_ids)
         if n == 0:
@@ -88,7 +93,7 @@ class Runtime:
         budget = self.ctx - n
         max_tokens = min(max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS, budget)
         job = GenerationJob(prompt_ids, sampling, max_tokens, EventChannel(asyncio.get_running_loop()),
-                            stop, session_id)
+                            stop, session_id, reply=plan or ReplyPlan())
         try:
             self.scheduler.submit(job)
         except QueueFull as exc:

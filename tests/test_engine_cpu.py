@@ -74,15 +74,17 @@ def test_smollm2_logits_match_goldens(smollm2: CPUEngine, chat_goldens: list[dic
 
 
 def test_smollm2_greedy_decode_matches_goldens(smollm2: CPUEngine, chat_goldens: list[dict]) -> None:
-    for case in chat_goldens:
-        want = case["greedy_ids"]
-        cache = smollm2.new_cache(len(case["prompt_ids"]) + len(want))
-        token = int(smollm2.prefill(cache, case["prompt_ids"]).argmax())
-        got = [token]
-        for _ in range(len(want) - 1):
-            token = int(smollm2.decode([cache], [token])[0].argmax())
-            got.append(token)
-        assert got == want, case["greedy_text"]
+    """All goldens decode in one batch (a step per token, not per token per case); finished
+    sequences leave the batch, as they do in the scheduler."""
+    caches = [smollm2.new_cache(len(c["prompt_ids"]) + len(c["greedy_ids"])) for c in chat_goldens]
+    got = [[int(smollm2.prefill(cache, c["prompt_ids"]).argmax())] for cache, c in zip(caches, chat_goldens,
+                                                                                        strict=True)]
+    while active := [i for i, c in enumerate(chat_goldens) if len(got[i]) < len(c["greedy_ids"])]:
+        logits = smollm2.decode([caches[i] for i in active], [got[i][-1] for i in active])
+        for i, row in zip(active, logits, strict=True):
+            got[i].append(int(row.argmax()))
+    for case, tokens in zip(chat_goldens, got, strict=True):
+        assert tokens == case["greedy_ids"], case["greedy_text"]
 
 
 # -- batching and cache operations -----------------------------------------------------------

@@ -27,6 +27,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # the part of completion_tokens spent inside a think block
 
     @property
     def total_tokens(self) -> int:
@@ -42,8 +43,26 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class ReasoningDelta:
+    """Reasoning text (a leading think block), kept out of the answer."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallEvent:
+    """One complete tool call the model made; `arguments` is JSON text. `id` is dialect-neutral
+    (hex); each dialect prefixes it its own way."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class Finished:
-    """The end of a reply. reason: "stop" (end of turn or stop string) or "length"."""
+    """The end of a reply. reason: "stop" (end of turn, stop string or grammar complete),
+    "length" or "tool_calls" (the turn ended after the model called tools)."""
 
     reason: str
     usage: Usage
@@ -59,4 +78,4 @@ class Failed:
     error_type: str = "server_error"
 
 
-Event = TextDelta | Finished | Failed
+Event = TextDelta | ReasoningDelta | ToolCallEvent | Finished | Failed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lmserve.core import hermes
 from lmserve.core.errors import RequestError
 from lmserve.core.types import ChatRequest
 from lmserve.model.chat_template import ChatTemplate, TemplateError
@@ -16,15 +17,25 @@ class PromptBuilder:
         self.template = template
 
     def render(self, request: ChatRequest) -> str:
-        messages = [m.to_template() for m in request.messages]
+        """The prompt text. A template without tool support gets tools and tool history folded into
+        plain turns (hermes); thinking is on only when asked for and no grammar governs the reply."""
+        messages, tools = request.messages, request.offered_tools
+        if not self.template.supports_tools:
+            messages, tools = hermes.fold(messages, tools), []
+        kwargs = dict(request.template_kwargs)
+        if self.template.supports_thinking:
+            kwargs.setdefault("enable_thinking", request.reasoning and not request.constrained)
         try:
-            return self.template.render(messages, add_generation_prompt=True,
-                                        tools=request.tools or None, **request.template_kwargs)
+            return self.template.render([m.to_template() for m in messages], add_generation_prompt=True,
+                                        tools=[t.to_template() for t in tools] or None, **kwargs)
         except TemplateError as exc:
             raise RequestError(f"messages: the chat template rejected the conversation: {exc}",
                                400, "messages") from None
 
-    def build(self, request: ChatRequest) -> list[int]:
+    def encode(self, prompt: str) -> list[int]:
         # The rendered text already carries any BOS the template wants, so no special tokens
         # are added here (apply_chat_template(tokenize=True) does the same).
-        return self.tokenizer.encode(self.render(request), add_special=False, parse_special=True)
+        return self.tokenizer.encode(prompt, add_special=False, parse_special=True)
+
+    def build(self, request: ChatRequest) -> list[int]:
+        return self.encode(self.render(request))

@@ -46,6 +46,50 @@ class Message:
 
 
 @dataclass
+class Tool:
+    """A function the model may call. `strict` holds its arguments to `parameters` (else any JSON
+    object); `lenient` skips schema keywords the grammar engine does not implement."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool = False
+    lenient: bool = False
+
+    def to_template(self) -> dict[str, Any]:
+        """OpenAI's tool shape, the one Hugging Face chat templates render."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        if self.parameters is not None:
+            function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
+
+@dataclass
+class ToolChoice:
+    """Whether the model may, must or must not call a tool: mode "auto", "none", "required"
+    (any offered tool) or "named" (the tool `name`)."""
+
+    mode: str = "auto"
+    name: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+
+@dataclass
+class OutputFormat:
+    """A structured-output constraint as sent: kind "json_schema" (source: the schema), "json_object",
+    "regex", "lark" or "gbnf" (source: the text); `param` names the request field for errors."""
+
+    kind: str
+    source: Any
+    param: str
+
+
+@dataclass
 class SamplingParams:
     """How to pick each next token. temperature 0 means greedy."""
 
@@ -88,6 +132,20 @@ class ChatRequest:
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
-    tools: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    output_format: OutputFormat | None = None
+    reasoning: bool = False  # the client asked for a reasoning channel (thinking)
+    thinking_budget: int | None = None  # tokens; thinking never takes more than 3/4 of max_tokens either
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     session_id: str | None = None
+
+    @property
+    def offered_tools(self) -> list[Tool]:
+        """The tools the model sees: none when the client said tool_choice "none"."""
+        return [] if self.tool_choice.mode == "none" else self.tools
+
+    @property
+    def constrained(self) -> bool:
+        """A grammar governs the reply from its first token (so it renders with thinking off)."""
+        return self.output_format is not None or (self.tool_choice.forced and bool(self.tools))

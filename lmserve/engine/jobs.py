@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from lmserve.core.events import Event, Failed, Finished
 from lmserve.core.types import SamplingParams
+from lmserve.engine.reply import ReplyPlan
 
 
 class EventChannel:
@@ -42,6 +43,7 @@ class GenerationJob:
     channel: EventChannel
     stop: list[str] = field(default_factory=list)
     session_id: str | None = None
+    reply: ReplyPlan = field(default_factory=ReplyPlan)  # reasoning, tool calls, grammar
     cancelled: threading.Event = field(default_factory=threading.Event)
     cached_tokens: int = 0  # prompt tokens found in a KV slot; set by the worker before any event
     done: bool = False

@@ -91,7 +91,8 @@ class SlotPool:
             return self._adopt(best, shared, session_id, "continue" if shared == len(best.tokens) else "rewind")
         if shared and shared >= SIMILARITY_GATE * len(prompt):
             target = self._victim(idle, exclude=best)
-            if target is None:
+            if target is None:  # no other slot: the donor's own dialogue is given up (kept on disk)
+                self._spill(best)
                 return self._adopt(best, shared, session_id, "rewind")
             self._evict(target)
             self.engine.copy_prefix(best.cache, target.cache, shared)
@@ -120,10 +121,13 @@ class SlotPool:
             return None
         return min(candidates, key=lambda s: (bool(s.tokens), s.last_used))
 
-    def _evict(self, slot: Slot) -> None:
-        """Forget a slot's contents, spilling them to the disk tier first when one exists."""
+    def _spill(self, slot: Slot) -> None:
         if self.disk is not None and slot.tokens:
             self.disk.spill(slot.cache, slot.tokens, self.engine)
+
+    def _evict(self, slot: Slot) -> None:
+        """Forget a slot's contents, spilling them to the disk tier first when one exists."""
+        self._spill(slot)
         self.engine.truncate(slot.cache, 0)
         slot.tokens = []
         slot.session_id = None
@@ -148,6 +152,12 @@ class SlotPool:
             self.engine.truncate(slot.cache, 0)
         slot.busy = False
         slot.last_used = next(self._clock)
+
+    def spill_all(self) -> None:
+        """On shutdown: keep every idle slot's contents on disk for the next start."""
+        for slot in self.slots:
+            if not slot.busy:
+                self._spill(slot)
 
     def stats(self) -> dict:
         return {

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lmserve.core.events import Failed, Finished, Usage
-from lmserve.core.token_stream import TokenStream
 from lmserve.engine.jobs import GenerationJob
 from lmserve.engine.kv_slots import Slot, SlotPool
 from lmserve.engine.protocol import Engine
+from lmserve.engine.reply import ReplyDecoder
 from lmserve.engine.sampling import Sampler, token_logprob
 from lmserve.model.tokenizer import Tokenizer
 
@@ -32,12 +32,12 @@ class QueueFull(Exception):
 
 @dataclass
 class _Sequence:
-    """A job being decoded: its KV slot, sampler, text state and the tokens it produced."""
+    """A job being decoded: its KV slot, sampler, reply state and the tokens it produced."""
 
     job: GenerationJob
     slot: Slot
     sampler: Sampler
-    stream: TokenStream
+    reply: ReplyDecoder
     cached_tokens: int = 0
     generated: list[int] = field(default_factory=list)
 
@@ -139,6 +139,7 @@ class Scheduler:
         self._active = []
         for job in pending:
             job.emit(Failed("the server is shutting down", 503, "overloaded_error"))
+        self.slots.spill_all()
 
     def _admit(self, job: GenerationJob) -> None:
         if job.cancelled.is_set():
@@ -150,7 +151,8 @@ class Scheduler:
                 raise RuntimeError("no free KV slot")
             job.cached_tokens = adoption.reused
             seq = _Sequence(job, adoption.slot, Sampler(job.sampling, job.prompt_ids),
-                            TokenStream(self.tokenizer.token_bytes, job.stop), adoption.reused)
+                            ReplyDecoder(job.reply, self.tokenizer.token_bytes, job.stop, job.max_tokens),
+                            adoption.reused)
             logits = self.engine.prefill(seq.cache, job.prompt_ids[adoption.reused:])
             if not self._advance(seq, logits=logits):
                 self._active.append(seq)
@@ -169,7 +171,8 @@ class Scheduler:
             return
         caches = [s.cache for s in self._active]
         tokens = [s.last_token for s in self._active]
-        device_greedy = self._device_argmax and not any(s.job.sampling.needs_host_logits for s in self._active)
+        device_greedy = self._device_argmax and not any(s.job.sampling.needs_host_logits or s.reply.needs_logits
+                                                        for s in self._active)
         try:
             rows = self._device_argmax(caches, tokens) if device_greedy else self.engine.decode(caches, tokens)
         except Exception as exc:  # the engine step failed: every sequence in it fails
@@ -198,7 +201,7 @@ class Scheduler:
         """Sample (unless the device already did), stream the token; True when the job is over."""
         job = seq.job
         if token is None:
-            token, adjusted = seq.sampler.sample(logits)
+            token, adjusted = seq.sampler.sample(seq.reply.mask(logits))
         else:
             seq.sampler.accept(token)
             adjusted = None
@@ -211,22 +214,22 @@ class Scheduler:
         if job.sampling.logprobs and adjusted is not None:
             lp = token_logprob(adjusted, token, job.sampling.top_logprobs,
                                self.tokenizer.piece, self.tokenizer.token_bytes)
-        delta = seq.stream.push(token, lp)
-        if delta is not None:
-            job.emit(delta)
-        if seq.stream.stopped:
+        for event in seq.reply.push(token, lp):
+            job.emit(event)
+        if seq.reply.done:
             return self._finish(seq, "stop")
         if len(seq.generated) >= job.max_tokens or seq.cache.length >= self.ctx:
             return self._finish(seq, "length")
         return False
 
     def _finish(self, seq: _Sequence, reason: str) -> bool:
-        tail = seq.stream.flush()
-        if tail is not None:
-            seq.job.emit(tail)
+        for event in seq.reply.finish():
+            seq.job.emit(event)
         self._retire(seq)
-        usage = Usage(len(seq.job.prompt_ids), len(seq.generated), seq.cached_tokens)
-        seq.job.emit(Finished(reason, usage, seq.stream.stop_sequence))
+        if reason == "stop" and seq.reply.tool_calls:
+            reason = "tool_calls"
+        usage = Usage(len(seq.job.prompt_ids), len(seq.generated), seq.cached_tokens, seq.reply.reasoning_tokens)
+        seq.job.emit(Finished(reason, usage, seq.reply.stop_sequence))
         return True
 
     def _retire(self, seq: _Sequence) -> None:

@@ -2,15 +2,16 @@
 
 MLX's affine format stores, per group of 32 (or 64, 128) weights, `w = scale * q + bias` with
 `q` packed little-endian at 2..8 bits. Every GGUF type whose blocks are affine on 32 weights maps
-onto it bit for bit: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and the sub-blocks of Q4_K and Q5_K (`mx.load`
-does the first three itself). The others (Q6_K, Q3_K and Q2_K scale 16-weight sub-blocks, which
-MLX cannot; the IQ types use non-uniform grids) are dequantized and re-quantized with
-`mx.quantize` at a width whose added error is small against the source's own. Measured on the
-tiny-llama fixtures against their F32 originals: re-quantizing at the source's width plus two
-adds 25-33% of the source's RMS error, plus four about 6%, at any group size. The rule: the
-smallest width of at least source + 2 bits, and the largest group, whose added error on this
-tensor is within a third of what a source-width quantizer does to it and within 2% of the
-weights' RMS (the second bound binds for 2- and 3-bit sources, whose own error is 15-30%).
+onto it exactly: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and the sub-blocks of Q4_K and Q5_K (`mx.load`
+does the first three itself; in float16 the K types' sub-block scales, products of two stored
+numbers, round to the nearest float16). The others (Q6_K, Q3_K and Q2_K scale 16-weight
+sub-blocks, which MLX cannot; the IQ types use non-uniform grids) are dequantized and
+re-quantized with `mx.quantize` at a width whose added error is small against the source's own.
+Measured on the tiny-llama fixtures against their F32 originals: re-quantizing at the source's
+width plus two adds 25-33% of the source's RMS error, plus four about 6%, at any group size.
+The rule: the smallest width of at least source + 2 bits, and the largest group, whose added
+error on this tensor is within a third of what a source-width quantizer does to it and within 2%
+of the weights' RMS (the second bound binds for 2- and 3-bit sources, whose own error is 15-30%).
 """
 
 from __future__ import annotations

@@ -7,16 +7,18 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from lmserve.core.errors import RequestError, invalid
-from lmserve.core.events import Event, Failed, Finished, TextDelta, Usage
-from lmserve.core.types import ChatRequest, Message, SamplingParams, ToolCall
+from lmserve.core.errors import invalid
+from lmserve.core.events import Event, Failed, Finished, Usage
+from lmserve.core.types import ChatRequest, Message, OutputFormat, SamplingParams, Tool, ToolCall, ToolChoice
 from lmserve.engine.jobs import GenerationJob
 from lmserve.http import fields
+from lmserve.http.anthropic_blocks import ContentBlocks
 from lmserve.http.common import sse
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 UNSUPPORTED_BLOCKS = {"image": "images", "document": "documents", "search_result": "search results"}
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
 def _text_blocks(value: Any, where: str) -> list[dict[str, Any]]:
@@ -98,7 +100,11 @@ def parse_turn(raw: Any, where: str) -> list[Message]:
     return out
 
 
-def parse_tools(body: dict[str, Any]) -> None:
+def parse_tools(body: dict[str, Any]) -> list[Tool]:
+    """Client tools. Their input_schema is always enforced once a call starts, leniently: a schema
+    keyword the grammar engine lacks (Claude Code uses `propertyNames`) is skipped, not refused.
+    Anthropic-defined tool types (bash_*, web_search_*, ...) are not offered."""
+    tools = []
     for i, tool in enumerate(fields.array(body, "tools")):
         if not isinstance(tool, dict):
             raise invalid(f"tools[{i}]", "must be an object")
@@ -107,9 +113,45 @@ def parse_tools(body: dict[str, Any]) -> None:
                 raise invalid(f"tools[{i}].name", "must be a non-empty string")
             if not isinstance(tool.get("input_schema"), dict):
                 raise invalid(f"tools[{i}].input_schema", "must be a JSON schema object")
+            description = tool.get("description")
+            tools.append(Tool(tool["name"], description if isinstance(description, str) else None,
+                              tool["input_schema"], strict=True, lenient=True))
+    return tools
+
+
+def parse_tool_choice(body: dict[str, Any]) -> ToolChoice:
     choice = fields.obj(body, "tool_choice")
-    if choice.get("type") in ("any", "tool"):
-        raise RequestError("forcing a tool call (tool_choice any/tool) is not implemented yet", 501, "tool_choice")
+    kind = choice.get("type", "auto")
+    if kind == "tool":
+        name = fields.string(choice, "name", name="tool_choice.name")
+        if not name:
+            raise invalid("tool_choice.name", "is required for tool_choice type tool")
+        return ToolChoice("named", name)
+    if kind not in TOOL_CHOICES:
+        raise invalid("tool_choice.type", "must be one of auto, any, tool, none")
+    return ToolChoice(TOOL_CHOICES[kind])
+
+
+def parse_thinking(body: dict[str, Any]) -> tuple[bool, int | None]:
+    """`thinking` enabled (with its token budget) or adaptive turns reasoning on."""
+    thinking = fields.obj(body, "thinking")
+    kind = thinking.get("type", "disabled")
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise invalid("thinking.type", "must be one of enabled, adaptive, disabled")
+    budget = fields.integer(thinking, "budget_tokens", None, 1, name="thinking.budget_tokens")
+    return kind != "disabled", budget if kind == "enabled" else None
+
+
+def parse_output_format(body: dict[str, Any]) -> OutputFormat | None:
+    fmt = fields.obj(fields.obj(body, "output_config"), "format", name="output_config.format")
+    if not fmt:
+        return None
+    if fmt.get("type") != "json_schema":
+        raise invalid("output_config.format.type", "must be json_schema")
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise invalid("output_config.format.schema", "must be a JSON schema object")
+    return OutputFormat("json_schema", schema, "output_config.format.schema")
 
 
 def parse_messages(body: dict[str, Any], vocab_size: int, require_max_tokens: bool = True) -> ChatRequest:
@@ -125,10 +167,8 @@ def parse_messages(body: dict[str, Any], vocab_size: int, require_max_tokens: bo
         messages.append(Message("system", system))
     for i, raw in enumerate(raw_messages):
         messages.extend(parse_turn(raw, f"messages[{i}]"))
-    parse_tools(body)
-    output_format = fields.obj(body, "output_config").get("format")
-    if output_format is not None:
-        raise RequestError("output_config.format is not implemented yet", 501, "output_config.format")
+    tools, tool_choice, output_format = parse_tools(body), parse_tool_choice(body), parse_output_format(body)
+    reasoning, thinking_budget = parse_thinking(body)
     stop = fields.array(body, "stop_sequences")
     if not all(isinstance(s, str) for s in stop):
         raise invalid("stop_sequences", "must be an array of strings")
@@ -138,7 +178,9 @@ def parse_messages(body: dict[str, Any], vocab_size: int, require_max_tokens: bo
         top_k=fields.integer(body, "top_k", 0, 0) or 0,
     )
     stream = fields.boolean(body, "stream")
-    return ChatRequest(messages, sampling, max_tokens, [s for s in stop if s], stream)
+    return ChatRequest(messages, sampling, max_tokens, [s for s in stop if s], stream, tools=tools,
+                       tool_choice=tool_choice, output_format=output_format, reasoning=reasoning,
+                       thinking_budget=thinking_budget)
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
@@ -168,27 +210,22 @@ class MessageRenderer:
         return "stop_sequence" if finish.stop_sequence else STOP_REASONS.get(finish.reason, "end_turn")
 
     def body(self, events: list[Event]) -> dict[str, Any]:
-        text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        blocks = ContentBlocks()
+        for event in events:
+            blocks.feed(event)
+        blocks.close()
         finish = next(e for e in events if isinstance(e, Finished))
-        content = [{"type": "text", "text": text}] if text else []
-        return self._message(content, finish, finish.usage)
+        return self._message(blocks.content, finish, finish.usage)
 
     async def frames(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
         # Rendered after the first event, so the worker has already set the cached count.
         start = self._message([], None, Usage(len(self.job.prompt_ids), 0, self.job.cached_tokens))
         yield sse({"type": "message_start", "message": start}, "message_start")
-        block_open = False
+        blocks = ContentBlocks()
         async for event in events:
-            if isinstance(event, TextDelta):
-                if not block_open:
-                    block_open = True
-                    yield sse({"type": "content_block_start", "index": 0,
-                               "content_block": {"type": "text", "text": ""}}, "content_block_start")
-                yield sse({"type": "content_block_delta", "index": 0,
-                           "delta": {"type": "text_delta", "text": event.text}}, "content_block_delta")
-            elif isinstance(event, Finished):
-                if block_open:
-                    yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+            if isinstance(event, Finished):
+                for name, payload in blocks.close():
+                    yield sse(payload, name)
                 yield sse({"type": "message_delta",
                            "delta": {"stop_reason": self._stop_reason(event),
                                      "stop_sequence": event.stop_sequence},
@@ -197,3 +234,6 @@ class MessageRenderer:
             elif isinstance(event, Failed):
                 yield sse({"type": "error", "error": {"type": event.error_type, "message": event.message}},
                           "error")
+            else:
+                for name, payload in blocks.feed(event):
+                    yield sse(payload, name)

@@ -2,24 +2,38 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from lmserve.core.errors import RequestError, invalid
-from lmserve.core.events import Event, Failed, Finished, TextDelta, TokenLogprob, Usage
-from lmserve.core.types import ChatRequest, Message, SamplingParams, ToolCall
+from lmserve.core.errors import invalid
+from lmserve.core.events import (
+    Event,
+    Failed,
+    Finished,
+    ReasoningDelta,
+    TextDelta,
+    TokenLogprob,
+    ToolCallEvent,
+    Usage,
+)
+from lmserve.core.types import ChatRequest, Message, OutputFormat, SamplingParams, Tool, ToolCall, ToolChoice
 from lmserve.http import fields
 from lmserve.http.common import sse
+from lmserve.http.reply_summary import ReplySummary
 
 ROLE_ALIASES = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant",
                 "tool": "tool"}
 # Chat's and Responses' names for the same non-text parts: both dialects reject them the same way.
 UNSUPPORTED_PARTS = {"image_url": "images", "input_image": "images", "input_audio": "audio", "file": "files",
                      "input_file": "files"}
-GRAMMAR_EXTENSIONS = ("grammar", "regex", "lark", "json_schema", "guided_json", "guided_regex")
+# Constraint extensions (llama.cpp's, vLLM's) -> the kind of grammar each carries.
+GRAMMAR_EXTENSIONS = {"grammar": "gbnf", "regex": "regex", "lark": "lark", "json_schema": "json_schema",
+                      "guided_json": "json_schema", "guided_regex": "regex"}
+NO_REASONING = ("none", "minimal")
 
 
 @dataclass
@@ -89,18 +103,90 @@ def parse_message(raw: Any, where: str) -> Message:
     return message
 
 
-def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """Validate tool declarations (OpenAI's function shape)."""
-    tools = fields.array(body, "tools")
-    for i, tool in enumerate(tools):
+def parse_tools(body: dict[str, Any]) -> list[Tool]:
+    """Tool declarations in OpenAI's function shape; `strict: true` holds arguments to the schema."""
+    tools = []
+    for i, tool in enumerate(fields.array(body, "tools")):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise invalid(f"tools[{i}].type", "only function tools are supported")
         fn = tool.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise invalid(f"tools[{i}].function.name", "must be a non-empty string")
-        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise invalid(f"tools[{i}].function.parameters", "must be a JSON schema object")
+        description = fn.get("description")
+        tools.append(Tool(fn["name"], description if isinstance(description, str) else None,
+                          fn.get("parameters"), strict=fn.get("strict") is True))
     return tools
+
+
+def parse_tool_choice(body: dict[str, Any]) -> ToolChoice:
+    """"auto", "none", "required", or one function: chat's {"type": "function", "function":
+    {"name"}} or Responses' {"type": "function", "name"}."""
+    value = body.get("tool_choice")
+    if value is None:
+        return ToolChoice()
+    if value in ("auto", "none", "required"):
+        return ToolChoice(value)
+    if isinstance(value, dict) and value.get("type") == "function":
+        fn = value.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else value.get("name")
+        if isinstance(name, str) and name:
+            return ToolChoice("named", name)
+    raise invalid("tool_choice", 'must be "auto", "none", "required" or {"type": "function", ...} '
+                  "naming a function")
+
+
+def grammar_extension(body: dict[str, Any]) -> OutputFormat | None:
+    """llama.cpp's and vLLM's constraint fields (`grammar` is GBNF or Lark); at most one."""
+    present = [key for key in GRAMMAR_EXTENSIONS if body.get(key) is not None]
+    if len(present) > 1:
+        raise invalid(present[1], f"only one constraint may be given, got {', '.join(present)}")
+    if not present:
+        return None
+    key = present[0]
+    kind, value = GRAMMAR_EXTENSIONS[key], body[key]
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise invalid(key, f"is not valid JSON: {exc}") from None
+        if not isinstance(value, dict | bool):
+            raise invalid(key, "must be a JSON schema")
+    elif not isinstance(value, str):
+        raise invalid(key, "must be a string")
+    return OutputFormat(kind, value, key)
+
+
+def parse_output_format(body: dict[str, Any], fmt: dict[str, Any], param: str, nested: bool) -> OutputFormat | None:
+    """A format object (text, json_object, json_schema) or a grammar extension, not both. The
+    json_schema fields ({"name", "schema", "strict"}) sit under "json_schema" in chat's
+    response_format (`nested`) and in the object itself in Responses' text.format."""
+    extension = grammar_extension(body)
+    kind = fmt.get("type", "text")
+    if kind not in ("text", "json_schema", "json_object"):
+        raise invalid(f"{param}.type", "must be one of text, json_schema, json_object")
+    if kind == "text":
+        return extension
+    if extension is not None:
+        raise invalid(extension.param, f"cannot be combined with {param}")
+    if kind == "json_schema" and nested:
+        param = f"{param}.json_schema"
+        fmt = fields.obj(fmt, "json_schema", name=param)
+    schema = fmt.get("schema") if kind == "json_schema" else None
+    if schema is None:  # json_object, or a json_schema without a schema: any JSON object
+        return OutputFormat("json_object", None, param)
+    if not isinstance(schema, dict | bool):
+        raise invalid(f"{param}.schema", "must be a JSON schema object")
+    return OutputFormat("json_schema", schema, f"{param}.schema")
+
+
+def reasoning_requested(effort: Any, param: str) -> bool:
+    """Any effort but none/minimal turns reasoning on (a no-op for a model without a channel)."""
+    if effort is not None and not isinstance(effort, str):
+        raise invalid(param, "must be a string")
+    return effort is not None and effort not in NO_REASONING
 
 
 def parse_sampling(body: dict[str, Any], vocab_size: int) -> SamplingParams:
@@ -118,24 +204,6 @@ def parse_sampling(body: dict[str, Any], vocab_size: int) -> SamplingParams:
     )
 
 
-def reject_unsupported_generation_controls(body: dict[str, Any]) -> None:
-    """Structured output and forced tool calls arrive with the tools/grammar work: 501 until then."""
-    fmt = body.get("response_format")
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind not in ("text", "json_schema", "json_object"):
-            raise invalid("response_format.type", "must be one of text, json_schema, json_object")
-        if kind != "text":
-            raise RequestError(f"response_format {kind} is not implemented yet", 501, "response_format")
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
-        raise RequestError("forcing a tool call (tool_choice other than auto/none) is not implemented yet",
-                           501, "tool_choice")
-    for key in GRAMMAR_EXTENSIONS:
-        if body.get(key) is not None:
-            raise RequestError(f"the `{key}` constraint is not implemented yet", 501, key)
-
-
 def parse_chat(body: dict[str, Any], vocab_size: int) -> tuple[ChatRequest, ChatOptions]:
     raw_messages = fields.array(body, "messages")
     if not raw_messages:
@@ -146,8 +214,9 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> tuple[ChatRequest, Chat
     for legacy in ("functions", "function_call"):
         if body.get(legacy) is not None:
             raise invalid(legacy, "the legacy functions API is not supported; use `tools`")
-    parse_tools(body)  # validated; offered to the model once tool calling lands
-    reject_unsupported_generation_controls(body)
+    tools = parse_tools(body)
+    tool_choice = parse_tool_choice(body)
+    output_format = parse_output_format(body, fields.obj(body, "response_format"), "response_format", nested=True)
     sampling = parse_sampling(body, vocab_size)
     sampling.logprobs = fields.boolean(body, "logprobs")
     sampling.top_logprobs = fields.integer(body, "top_logprobs", 0, 0, 20) or 0
@@ -160,7 +229,9 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> tuple[ChatRequest, Chat
     stream_options = fields.obj(body, "stream_options")
     if stream_options and not stream:
         raise invalid("stream_options", "is only allowed when `stream` is true")
-    request = ChatRequest(messages, sampling, max_tokens, fields.stop_strings(body, "stop"), stream)
+    request = ChatRequest(messages, sampling, max_tokens, fields.stop_strings(body, "stop"), stream, tools=tools,
+                          tool_choice=tool_choice, output_format=output_format,
+                          reasoning=reasoning_requested(body.get("reasoning_effort"), "reasoning_effort"))
     return request, ChatOptions(include_usage=fields.boolean(stream_options, "include_usage"))
 
 
@@ -177,8 +248,12 @@ def usage_json(usage: Usage) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }
+
+
+def tool_call_json(call: ToolCallEvent) -> dict[str, Any]:
+    return {"id": f"call_{call.id}", "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 class ChatRenderer:
@@ -192,18 +267,21 @@ class ChatRenderer:
         self.options = options
 
     def body(self, events: list[Event]) -> dict[str, Any]:
-        text = "".join(e.text for e in events if isinstance(e, TextDelta))
-        finish = next(e for e in events if isinstance(e, Finished))
+        reply = ReplySummary.of(events)
         logprobs = None
         if self.logprobs:
-            content = [logprob_json(lp) for e in events if isinstance(e, TextDelta) for lp in e.logprobs]
-            logprobs = {"content": content, "refusal": None}
+            logprobs = {"content": [logprob_json(lp) for lp in reply.logprobs], "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": reply.text or (None if reply.calls else ""),
+                                   "refusal": None, "annotations": []}
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
+        if reply.calls:
+            message["tool_calls"] = [tool_call_json(c) for c in reply.calls]
         return {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
-                                                 "annotations": []},
-                         "logprobs": logprobs, "finish_reason": finish.reason}],
-            "usage": usage_json(finish.usage),
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs,
+                         "finish_reason": reply.finish.reason}],
+            "usage": usage_json(reply.finish.usage),
         }
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
@@ -219,9 +297,15 @@ class ChatRenderer:
 
     async def frames(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
         yield sse(self._chunk({"role": "assistant", "content": ""}))
+        calls = 0
         async for event in events:
             if isinstance(event, TextDelta):
                 yield sse(self._chunk({"content": event.text}, logprobs=event.logprobs))
+            elif isinstance(event, ReasoningDelta):
+                yield sse(self._chunk({"reasoning_content": event.text}))
+            elif isinstance(event, ToolCallEvent):
+                yield sse(self._chunk({"tool_calls": [{"index": calls, **tool_call_json(event)}]}))
+                calls += 1
             elif isinstance(event, Finished):
                 yield sse(self._chunk({}, event.reason))
                 if self.options.include_usage:

@@ -10,18 +10,21 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from lmserve.core.errors import RequestError, invalid
-from lmserve.core.events import Event, Failed, Finished, TextDelta, Usage
-from lmserve.core.types import ChatRequest, Message, ToolCall
+from lmserve.core.errors import invalid
+from lmserve.core.events import Event, Failed, Finished, Usage
+from lmserve.core.types import ChatRequest, Message, Tool, ToolCall
 from lmserve.http import fields
 from lmserve.http.common import sse
 from lmserve.http.openai_chat import (
     ROLE_ALIASES,
+    parse_output_format,
     parse_sampling,
-    reject_unsupported_generation_controls,
+    parse_tool_choice,
+    reasoning_requested,
     text_content,
 )
 from lmserve.http.response_store import ResponseStore
+from lmserve.http.responses_output import Frame, OutputItems
 
 INPUT_ROLES = ("developer", "system", "user", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
@@ -152,15 +155,6 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
     return tools
 
 
-def _check_text_format(body: dict[str, Any]) -> None:
-    fmt = fields.obj(fields.obj(body, "text"), "format", name="text.format")
-    kind = fmt.get("type", "text")
-    if kind in ("json_schema", "json_object"):
-        raise RequestError(f"text.format {kind} is not implemented yet", 501, "text.format")
-    if kind != "text":
-        raise invalid("text.format.type", "must be one of text, json_schema, json_object")
-
-
 def _merge_leading_system(messages: list[Message]) -> list[Message]:
     """instructions plus the leading developer/system items as one system turn: many chat
     templates take only one system message, first (Codex sends instructions and two developer items)."""
@@ -179,9 +173,10 @@ def parse_responses(body: dict[str, Any], vocab_size: int, store: ResponseStore)
         if body.get(unsupported):
             raise invalid(unsupported, "is not supported by this server; continue with previous_response_id")
     items = parse_input(body.get("input"))
-    tools = parse_tools(body)  # validated; offered to the model once tool calling lands
-    reject_unsupported_generation_controls(body)
-    _check_text_format(body)
+    tools = parse_tools(body)
+    text_format = fields.obj(fields.obj(body, "text"), "format", name="text.format")
+    output_format = parse_output_format(body, text_format, "text.format", nested=False)
+    reasoning = fields.obj(body, "reasoning")
     sampling = parse_sampling(body, vocab_size)
     max_output_tokens = fields.integer(body, "max_output_tokens", None, 1)
     stop = fields.stop_strings(body, "stop")
@@ -192,15 +187,18 @@ def parse_responses(body: dict[str, Any], vocab_size: int, store: ResponseStore)
         "previous_response_id": previous_id, "store": keep, "temperature": sampling.temperature,
         "top_p": sampling.top_p, "tools": tools, "tool_choice": body.get("tool_choice") or "auto",
         "parallel_tool_calls": fields.boolean(body, "parallel_tool_calls", True),
-        "metadata": fields.obj(body, "metadata"), "text": {"format": {"type": "text"}},
-        "truncation": "disabled", "reasoning": None,
+        "metadata": fields.obj(body, "metadata"), "text": {"format": text_format or {"type": "text"}},
+        "truncation": "disabled", "reasoning": reasoning or None,
     }
     conversation = [*(store.get(previous_id) if previous_id else []), *items]
     if not conversation:
         raise invalid("input", "is required: a string or a non-empty array of input items")
     messages = [Message("system", instructions)] if instructions else []
     messages = _merge_leading_system([*messages, *conversation])
-    chat = ChatRequest(messages, sampling, max_output_tokens, stop, stream, session_id=session_id)
+    chat = ChatRequest(messages, sampling, max_output_tokens, stop, stream, session_id=session_id,
+                       tools=[Tool(t["name"], t["description"], t["parameters"], t["strict"]) for t in tools],
+                       tool_choice=parse_tool_choice(body), output_format=output_format,
+                       reasoning=reasoning_requested(reasoning.get("effort"), "reasoning.effort"))
     return ResponsesCall(chat, conversation, keep, echo)
 
 
@@ -211,13 +209,9 @@ def usage_json(usage: Usage) -> dict[str, Any]:
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.total_tokens,
     }
-
-
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
 class ResponseRenderer:
@@ -226,15 +220,10 @@ class ResponseRenderer:
 
     def __init__(self, model_id: str, call: ResponsesCall, store: ResponseStore) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
-        self.item_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.model = model_id
         self.call = call
         self.store = store
-
-    def _item(self, status: str, text: str | None) -> dict[str, Any]:
-        content = [] if text is None else [_text_part(text)]
-        return {"id": self.item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
     def _response(self, status: str, output: list[dict[str, Any]], usage: Usage | None = None,
                   error: dict[str, str] | None = None) -> dict[str, Any]:
@@ -247,18 +236,22 @@ class ResponseRenderer:
             **self.call.echo,
         }
 
-    def _finish(self, text: str, finish: Finished) -> tuple[str, dict[str, Any]]:
-        """The final status and output item; keeps the conversation when the request allows."""
+    def _finish(self, output: OutputItems, finish: Finished) -> tuple[str, list[Frame]]:
+        """The final status and the frames closing the output; keeps the conversation when the
+        request allows."""
         status = "incomplete" if finish.reason == "length" else "completed"
+        frames = output.finish(status)
         if self.call.store:
-            self.store.put(self.id, [*self.call.conversation, Message("assistant", text)])
-        return status, self._item(status, text)
+            self.store.put(self.id, [*self.call.conversation, output.message()])
+        return status, frames
 
     def body(self, events: list[Event]) -> dict[str, Any]:
-        text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        output = OutputItems()
+        for event in events:
+            output.feed(event)
         finish = next(e for e in events if isinstance(e, Finished))
-        status, item = self._finish(text, finish)
-        return self._response(status, [item], finish.usage)
+        status, _ = self._finish(output, finish)
+        return self._response(status, output.items, finish.usage)
 
     async def frames(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
         """The event skeleton the SDKs' stream state machines expect, numbered in order."""
@@ -267,24 +260,20 @@ class ResponseRenderer:
         def frame(kind: str, **payload: Any) -> bytes:
             return sse({"type": kind, **payload, "sequence_number": next(numbers)}, kind)
 
-        at = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         yield frame("response.created", response=self._response("in_progress", []))
         yield frame("response.in_progress", response=self._response("in_progress", []))
-        yield frame("response.output_item.added", output_index=0, item=self._item("in_progress", None))
-        yield frame("response.content_part.added", **at, part=_text_part(""))
-        texts: list[str] = []
+        output = OutputItems()
         async for event in events:
-            if isinstance(event, TextDelta):
-                texts.append(event.text)
-                yield frame("response.output_text.delta", **at, delta=event.text, logprobs=[])
-            elif isinstance(event, Finished):
-                text = "".join(texts)
-                status, item = self._finish(text, event)
-                yield frame("response.output_text.done", **at, text=text, logprobs=[])
-                yield frame("response.content_part.done", **at, part=_text_part(text))
-                yield frame("response.output_item.done", output_index=0, item=item)
-                yield frame(f"response.{status}", response=self._response(status, [item], event.usage))
+            if isinstance(event, Finished):
+                status, frames = self._finish(output, event)
+                for kind, payload in frames:
+                    yield frame(kind, **payload)
+                yield frame(f"response.{status}", response=self._response(status, output.items, event.usage))
             elif isinstance(event, Failed):
+                for kind, payload in output.finish("incomplete"):
+                    yield frame(kind, **payload)
                 error = {"code": "server_error", "message": event.message}
-                output = [self._item("incomplete", "".join(texts))]
-                yield frame("response.failed", response=self._response("failed", output, error=error))
+                yield frame("response.failed", response=self._response("failed", output.items, error=error))
+            else:
+                for kind, payload in output.feed(event):
+                    yield frame(kind, **payload)

@@ -1,0 +1,89 @@
+"""Request -> ReplyPlan, at admission on the connection's side.
+
+Grammars are compiled here, before the job is queued, so an invalid grammar or an unsupported
+schema keyword is a 400 carrying llguidance's message instead of a failure inside a started stream.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+
+from lmserve.core import tool_format
+from lmserve.core.errors import RequestError
+from lmserve.core.reply_router import THINK_CLOSE, THINK_OPEN, CallRouting
+from lmserve.core.tool_format import ToolFormat
+from lmserve.core.types import ChatRequest, Tool
+from lmserve.engine.grammar import CompiledGrammar, GrammarError, Grammars
+from lmserve.engine.grammar_sources import call_grammar, output_grammar
+from lmserve.engine.reply import ReplyPlan
+from lmserve.model.chat_template import ChatTemplate
+from lmserve.model.tokenizer import Tokenizer
+
+_UNDETECTED = object()
+
+
+class ReplyPlanner:
+    """Knows the model's reply conventions (think tags, tool-call format) and compiles grammars."""
+
+    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate) -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+        self.grammars = Grammars(tokenizer)
+        self.think = template.supports_thinking or THINK_OPEN in template.source
+        self._close_think = tokenizer.encode(f"\n{THINK_CLOSE}\n\n", add_special=False, parse_special=True)
+        self._format: ToolFormat | None | object = _UNDETECTED
+        self._format_lock = threading.Lock()
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """Detected on the first request with tools (it imports mlx-lm)."""
+        with self._format_lock:
+            if self._format is _UNDETECTED:
+                self._format = tool_format.detect(self.template, self.tokenizer.backend.get_vocab())
+            return self._format  # type: ignore[return-value]
+
+    def marker(self, text: str) -> str:
+        """`text` in Lark: the special token it is, or a quoted literal."""
+        ids = self.tokenizer.encode(text, add_special=False, parse_special=True)
+        if len(ids) == 1 and ids[0] in self.tokenizer.special_ids:
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
+
+    def plan(self, request: ChatRequest, prompt: str) -> ReplyPlan:
+        """Raises RequestError (400) for a grammar that does not compile or a tool_choice that
+        names no offered tool."""
+        plan = ReplyPlan(think=self.think, thinking_budget=request.thinking_budget, close_think=self._close_think)
+        fmt_request = request.output_format
+        if fmt_request is not None:
+            plan.grammar = self._compile(lambda: output_grammar(fmt_request), fmt_request.param)
+        tools = request.offered_tools
+        choice = request.tool_choice
+        if choice.forced and not tools:
+            raise RequestError("tool_choice: a tool call was required but no tools were given", 400, "tool_choice")
+        if choice.mode == "named" and choice.name not in {t.name for t in tools}:
+            raise RequestError(f"tool_choice: {choice.name!r} is not among the tools", 400, "tool_choice")
+        fmt = self.tool_format if tools else None
+        if fmt is not None:
+            plan.calls = CallRouting(fmt, [t.to_template() for t in tools], frozenset(t.name for t in tools))
+        if choice.forced:
+            candidates = [t for t in tools if choice.mode == "required" or t.name == choice.name]
+            plan.grammar = self._call_grammar(fmt, candidates)
+        elif fmt is not None and fmt.hermes and plan.grammar is None:
+            plan.call_grammar = self._call_grammar(fmt, tools)
+        plan.in_think = self.think and plan.grammar is None and prompt.rstrip().endswith(THINK_OPEN)
+        return plan
+
+    def _call_grammar(self, fmt: ToolFormat | None, tools: list[Tool]) -> CompiledGrammar:
+        if fmt is None or not fmt.hermes:
+            family = fmt.family if fmt else "unknown"
+            raise RequestError(f"tool_choice: forcing a call is not supported for this model's tool-call "
+                               f"format ({family}); use auto", 400, "tool_choice")
+        return self._compile(lambda: call_grammar(tools, self.marker, fmt.start, fmt.end), "tools")
+
+    def _compile(self, source: Callable[[], str], param: str) -> CompiledGrammar:
+        try:
+            return self.grammars.compile(source())
+        except GrammarError as exc:
+            raise RequestError(f"{param}: {exc}", 400, param) from None

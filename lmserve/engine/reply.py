@@ -1,0 +1,115 @@
+"""One sequence's reply: the constraint on its next token, and its tokens turned into events.
+
+Before sampling, the active constraint (if any) masks the logits: the request's grammar for the
+whole reply, the call grammar once the model opens a tool call under tool_choice auto, or the
+closing think tag once thinking has used its budget. After sampling, the token goes through
+TokenStream (UTF-8, stop strings) and the ReplyRouter (reasoning, tool calls, answer text).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lmserve.core.events import Event, TokenLogprob, ToolCallEvent
+from lmserve.core.reply_router import CallRouting, ReplyRouter
+from lmserve.core.token_stream import TokenStream
+from lmserve.engine.grammar import CompiledGrammar, Constraint, ForcedTokens
+
+THINK_SHARE = 0.75  # thinking may use at most this share of max_tokens
+
+
+@dataclass
+class ReplyPlan:
+    """What the worker needs, beyond sampling, to decode one reply; built at admission."""
+
+    think: bool = False  # route a leading think block to reasoning
+    in_think: bool = False  # the prompt itself opened the think block
+    thinking_budget: int | None = None
+    close_think: list[int] = field(default_factory=list)  # forced when the budget is spent
+    calls: CallRouting | None = None
+    grammar: CompiledGrammar | None = None  # governs the whole reply; its end ends the turn
+    call_grammar: CompiledGrammar | None = None  # takes over once a call opens (tool_choice auto)
+
+
+class ReplyDecoder:
+    """Per-sequence reply state, driven by the scheduler one token at a time."""
+
+    def __init__(self, plan: ReplyPlan, token_bytes: Callable[[int], bytes], stop: list[str],
+                 max_tokens: int) -> None:
+        self.plan = plan
+        self._token_bytes = token_bytes
+        self.stream = TokenStream(token_bytes, stop)
+        self.router = ReplyRouter(plan.think, plan.calls, plan.in_think)
+        self.constraint: Constraint | None = plan.grammar.constraint() if plan.grammar else None
+        self._governing = self.constraint
+        budget = int(max_tokens * THINK_SHARE)
+        self._think_budget = min(plan.thinking_budget, budget) if plan.thinking_budget else budget
+        self._think_closed = False
+        self._since_call = bytearray()  # bytes written since the last constrained call
+        self.reasoning_tokens = 0
+        self.tool_calls = 0
+        self.complete = False  # the governing grammar is complete
+
+    @property
+    def needs_logits(self) -> bool:
+        """The next token must be picked from masked host logits (no device argmax)."""
+        return self.constraint is not None
+
+    @property
+    def done(self) -> bool:
+        return self.complete or self.stream.stopped
+
+    @property
+    def stop_sequence(self) -> str | None:
+        return self.stream.stop_sequence
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        return self.constraint.mask(logits) if self.constraint is not None else logits
+
+    def push(self, token: int, logprob: TokenLogprob | None = None) -> list[Event]:
+        """One sampled token (not end-of-turn); returns the events it completes."""
+        if self.constraint is not None:
+            self.constraint.consume(token)
+        if self.router.thinking:
+            self.reasoning_tokens += 1
+        delta = self.stream.push(token, logprob)
+        events = self._count(self.router.feed(delta)) if delta is not None else []
+        self._next_constraint(token)
+        return events
+
+    def finish(self) -> list[Event]:
+        """The end of the reply: release everything held back."""
+        tail = self.stream.flush()
+        events = self.router.feed(tail) if tail is not None else []
+        return self._count(events + self.router.flush())
+
+    def _count(self, events: list[Event]) -> list[Event]:
+        self.tool_calls += sum(isinstance(e, ToolCallEvent) for e in events)
+        return events
+
+    def _next_constraint(self, token: int) -> None:
+        if self.constraint is not None:
+            if not self.constraint.finished:
+                return
+            self.complete = self.constraint is self._governing
+            self.constraint = None
+            return
+        if self.router.thinking:
+            if not self._think_closed and self.reasoning_tokens >= self._think_budget and self.plan.close_think:
+                self._think_closed = True
+                self.constraint = ForcedTokens(self.plan.close_think)
+        elif self.plan.call_grammar is not None and self.plan.calls is not None:
+            self._watch_for_call(token, self.plan.call_grammar, self.plan.calls.format.start.encode())
+
+    def _watch_for_call(self, token: int, grammar: CompiledGrammar, start: bytes) -> None:
+        """Hand the rest of a call to the call grammar as soon as its opener is written."""
+        self._since_call += self._token_bytes(token)
+        at = self._since_call.find(start)
+        if at == -1:
+            del self._since_call[: max(0, len(self._since_call) - len(start) + 1)]
+            return
+        self.constraint = grammar.constraint(bytes(self._since_call[at:]))  # None: already malformed
+        self._since_call.clear()

@@ -1,0 +1,130 @@
+"""KV slot reuse: continuation, donor-preserving copy, disk spill/restore, and exactness.
+
+Exactness runs in-process on the real SmolLM2 NumPy engine: every golden chat's greedy reply must
+be the same token for token whether its prefix was prefilled cold, continued in a slot, copied
+from a donor slot, or restored from a file written by an earlier pool (a restart).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lmserve.engine.kv_disk import DiskTier
+from lmserve.engine.kv_slots import SlotPool
+from lmserve.engine.ram_guard import plan_slots
+from lmserve.engine_cpu import CPUEngine
+from lmserve.model.loader import load_model
+
+CTX = 512
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    model = load_model(smollm2_path)
+    return model, CPUEngine(model.gguf, model.config)
+
+
+def disk_tier(model, engine, directory: Path, max_files: int = 8) -> DiskTier:
+    cfg = model.config
+    return DiskTier(directory, model.gguf.header_digest(),
+                    [engine.name, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim], max_files)
+
+
+def greedy(engine, pool: SlotPool, prompt: list[int], n: int) -> tuple[list[int], str]:
+    adoption = pool.acquire(prompt)
+    logits = engine.prefill(adoption.slot.cache, prompt[adoption.reused:])
+    out = []
+    for _ in range(n):
+        token = int(np.argmax(logits))
+        out.append(token)
+        logits = engine.decode([adoption.slot.cache], [token])[0]
+    pool.release(adoption.slot, prompt + out)
+    return out, adoption.how
+
+
+def test_every_golden_reply_is_identical_warm_copied_and_restored(smollm2, chat_goldens, tmp_path):
+    model, engine = smollm2
+    for golden in chat_goldens:
+        prompt, expected = golden["prompt_ids"], golden["greedy_ids"]
+        n = len(expected)
+        cut = len(prompt) * 2 // 3
+        # Continue: a slot already holding the first two thirds of the prompt.
+        pool = SlotPool(engine, 2, CTX)
+        greedy(engine, pool, prompt[:cut], 1)
+        pool.slots[0].tokens = pool.slots[0].tokens[:cut]
+        engine.truncate(pool.slots[0].cache, cut)
+        assert greedy(engine, pool, prompt, n) == (expected, "continue")
+        # Copy: a donor holding the prefix and then another dialogue stays intact.
+        donor_tokens = prompt[:cut] + [198, 504, 3575]
+        pool = SlotPool(engine, 2, CTX)
+        greedy(engine, pool, donor_tokens, 1)
+        assert greedy(engine, pool, prompt, n) == (expected, "copy")
+        assert pool.slots[0].tokens[:len(donor_tokens)] == donor_tokens
+        # Disk: spilled by one pool, restored by a fresh pool over the same directory.
+        directory = tmp_path / f"kv{len(prompt)}"
+        pool = SlotPool(engine, 1, CTX, disk_tier(model, engine, directory))
+        greedy(engine, pool, prompt[:cut], 1)
+        pool.acquire([7] * 40)  # unrelated: spills the slot before resetting it
+        restarted = SlotPool(engine, 1, CTX, disk_tier(model, engine, directory))
+        assert greedy(engine, restarted, prompt, n) == (expected, "disk")
+
+
+def test_continuation_rewind_and_copy_choices(smollm2):
+    _, engine = smollm2
+    pool = SlotPool(engine, 2, CTX)
+    first = list(range(100, 140))
+    adoption = pool.acquire(first, "s1")
+    engine.prefill(adoption.slot.cache, first)
+    pool.release(adoption.slot, first)
+    adoption = pool.acquire(first + [200, 201], "s1")  # the slot is a prefix: continued
+    assert (adoption.how, adoption.reused, adoption.slot.index) == ("continue", 40, 0)
+    engine.prefill(adoption.slot.cache, [200, 201])
+    pool.release(adoption.slot, first + [200, 201])
+    edited = first[:30] + [7, 8, 9]  # diverges inside the slot: the same session rewinds in place
+    adoption = pool.acquire(edited, "s1")
+    assert (adoption.how, adoption.reused, adoption.slot.index) == ("rewind", 30, 0)
+    assert adoption.slot.cache.length == 30 and adoption.slot.tokens == first[:30]
+    pool.release(adoption.slot, [])
+    assert pool.slots[0].tokens == [] and pool.slots[0].cache.length == 0
+
+
+def test_corrupt_and_truncated_files_are_skipped(smollm2, tmp_path, caplog):
+    model, engine = smollm2
+    tier = disk_tier(model, engine, tmp_path)
+    pool = SlotPool(engine, 1, CTX, tier)
+    prompt = list(range(300, 360))
+    greedy(engine, pool, prompt, 1)
+    pool.acquire([5] * 30)
+    (path,) = tmp_path.glob("*.lmkv")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])  # truncated
+    (tmp_path / "junk.lmkv").write_bytes(b"not a cache at all")
+    fresh = disk_tier(model, engine, tmp_path)
+    assert len(fresh) == 0
+    assert "truncated" in caplog.text and "junk.lmkv" in caplog.text
+    # Corrupted after indexing (payload bytes flipped): skipped at restore, served cold instead.
+    path.write_bytes(data)
+    tier = disk_tier(model, engine, tmp_path)
+    assert len(tier) == 1
+    header_end = data.index(b"\n", len(b"LMSERVE-KV 1\n")) + 1
+    path.write_bytes(data[:header_end] + b"\0" * (len(data) - header_end))
+    adoption = SlotPool(engine, 1, CTX, tier).acquire(prompt + [1])
+    assert adoption.how == "reset" and adoption.reused == 0
+    assert len(tier) == 0
+
+
+def test_ram_guard_warns_clamps_and_can_be_forced():
+    gib = 1024**3
+    per_token = 46_080  # SmolLM2 on the NumPy engine: 2 x 30 layers x 3 KV heads x 64 x 4 bytes
+    ok = plan_slots(4, per_token, 8192, available=16 * gib)
+    assert (ok.slots, ok.warning, ok.clamped) == (4, None, False)
+    warn = plan_slots(4, per_token, 8192, available=2 * gib)  # 1440 MiB of 2048: above half
+    assert warn.slots == 4 and "4 KV slots x 360 MiB (8192 tokens x 46080 bytes)" in warn.warning
+    clamp = plan_slots(4, per_token, 8192, available=gib)  # more than all of it: 1 slot fits in half
+    assert clamp.clamped and clamp.slots == 1 and "using 1 slot(s)" in clamp.warning
+    assert "= 1440 MiB, with 1024 MiB of memory available" in clamp.warning
+    forced = plan_slots(4, per_token, 8192, available=gib, force=True)
+    assert forced.slots == 4 and not forced.clamped and "kv-slots-force" in forced.warning
