@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -198,6 +199,10 @@ def serve(args: argparse.Namespace) -> None:
     print(banner(runtime, ready_s), flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3, lifespan="off")
     server = GracefulServer(config, runtime)
+    # uvicorn re-raises a caught SIGINT/SIGTERM after its graceful shutdown, under the handlers that
+    # were installed before it ran; no-op handlers make a requested shutdown end with status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
         server.run(sockets=[sock])
     finally:

@@ -10,6 +10,12 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
+from lmserve.core.prompt import PromptBuilder
+from lmserve.core.types import ChatRequest
+from lmserve.http.anthropic import parse_messages
+from lmserve.http.openai_chat import parse_chat
+from lmserve.http.openai_responses import parse_responses
+from lmserve.http.response_store import ResponseStore
 from lmserve.model.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
 from lmserve.model.tokenizer import Tokenizer
@@ -184,3 +190,89 @@ def test_documents_reach_the_template() -> None:
     template = ChatTemplate("{{ documents | length if documents is not none else 'none' }}")
     assert template.render([]) == "none"
     assert template.render([], documents=[{"title": "a", "text": "b"}]) == "1"
+
+
+# -- dialect requests -> prompt (PromptBuilder), against transformers on the equivalent OpenAI messages -------------
+
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Wetter für eine Stadt",
+                                                  "parameters": WEATHER_SCHEMA}}
+ZURICH = json.dumps({"city": "Zürich"}, ensure_ascii=False)
+HISTORY = [  # what each dialect below sends, in OpenAI's shape
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Zürich?"},
+    {"role": "assistant", "content": "", "reasoning_content": "Look it up.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": ZURICH}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "{\"temp\": 21}"},
+    {"role": "user", "content": "And tomorrow?"},
+]
+
+
+def _anthropic_body() -> dict:
+    return {"system": "Be brief.", "max_tokens": 100, "thinking": {"type": "enabled", "budget_tokens": 2048},
+            "tools": [{"name": "get_weather", "description": "Wetter für eine Stadt", "input_schema": WEATHER_SCHEMA}],
+            "messages": [
+                {"role": "user", "content": "Weather in Zürich?"},
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": "Look it up.", "signature": "s"},
+                                                  {"type": "tool_use", "id": "c1", "name": "get_weather",
+                                                   "input": {"city": "Zürich"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "{\"temp\": 21}"},
+                                             {"type": "text", "text": "And tomorrow?"}]},  # Claude Code's shape
+            ]}
+
+
+def _responses_body() -> dict:
+    return {"instructions": "Be brief.", "reasoning": {"effort": "medium"},
+            "tools": [{"type": "function", "name": "get_weather", "description": "Wetter für eine Stadt",
+                       "parameters": WEATHER_SCHEMA}, {"type": "web_search"}],
+            "input": [{"role": "user", "content": "Weather in Zürich?"},
+                      {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Look it up."}]},
+                      {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": ZURICH},
+                      {"type": "function_call_output", "call_id": "c1", "output": "{\"temp\": 21}"},
+                      {"role": "user", "content": [{"type": "input_text", "text": "And tomorrow?"}]}]}
+
+
+def _parse(dialect: str, body: dict) -> ChatRequest:
+    if dialect == "chat":
+        return parse_chat(body, 1000)[0]
+    if dialect == "anthropic":
+        return parse_messages(body, 1000)
+    return parse_responses(body, 1000, ResponseStore()).chat
+
+
+@pytest.mark.parametrize("dialect", ["chat", "anthropic", "responses"])
+def test_dialect_tool_history_and_thinking_match_transformers(hf_tokenizer: Any, tiny_tokenizer: Tokenizer,
+                                                              dialect: str) -> None:
+    body = {"chat": {"messages": HISTORY, "tools": [WEATHER_TOOL], "reasoning_effort": "high"},
+            "anthropic": _anthropic_body(), "responses": _responses_body()}[dialect]
+    ours = PromptBuilder(tiny_tokenizer, ChatTemplate(QWEN3, SPECIAL)).render(_parse(dialect, body))
+    assert ours == hf_render(hf_tokenizer, QWEN3, HISTORY, tools=[WEATHER_TOOL], add_generation_prompt=True,
+                             enable_thinking=True)
+
+
+def test_thinking_off_by_default_and_under_constraints(tiny_tokenizer: Tokenizer) -> None:
+    builder = PromptBuilder(tiny_tokenizer, ChatTemplate(QWEN3, SPECIAL))
+    user = [{"role": "user", "content": "hi"}]
+    assert builder.render(_parse("chat", {"messages": user})).endswith("<think>\n\n</think>\n\n")
+    assert builder.render(_parse("chat", {"messages": user, "reasoning_effort": "low"})).endswith("assistant\n")
+    for constraint in ({"response_format": {"type": "json_object"}}, {"regex": "a+"},
+                       {"tools": [WEATHER_TOOL], "tool_choice": "required"}):
+        body = {"messages": user, "reasoning_effort": "high", **constraint}
+        assert builder.render(_parse("chat", body)).endswith("<think>\n\n</think>\n\n"), constraint
+
+
+def test_tool_choice_none_offers_no_tools(tiny_tokenizer: Tokenizer) -> None:
+    builder = PromptBuilder(tiny_tokenizer, ChatTemplate(QWEN3, SPECIAL))
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER_TOOL]}
+    assert "<tools>" in builder.render(_parse("chat", body))
+    assert "<tools>" not in builder.render(_parse("chat", {**body, "tool_choice": "none"}))
+
+
+def test_template_without_tools_renders_hermes_like_qwen3(hf_tokenizer: Any,
+                                                          smollm2: tuple[ChatTemplate, Tokenizer]) -> None:
+    """SmolLM2's ChatML template knows no tools: the folded turns read exactly as Qwen3's template
+    renders tools, calls and results (both are ChatML underneath)."""
+    template, tokenizer = smollm2
+    history = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in HISTORY]
+    ours = PromptBuilder(tokenizer, template).render(_parse("chat", {"messages": history, "tools": [WEATHER_TOOL]}))
+    assert ours == hf_render(hf_tokenizer, QWEN3, history, tools=[WEATHER_TOOL], add_generation_prompt=True)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import quants as gguf_quants
 
 mx = pytest.importorskip("mlx.core")
 
@@ -154,6 +156,26 @@ def test_k_quants_convert_exactly(kind):
                              group_size=32, bits=bits)
         source = gguf.dequantize(names[name])
         assert np.abs(np.array(back) - source).max() <= 1e-6 * np.abs(source).max()
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_block_types_convert_exactly(kind, tmp_path):
+    """The 32-weight block types the fixtures lack, through a one-tensor GGUF."""
+    qtype = GGMLQuantizationType[kind]
+    values = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    writer = GGUFWriter(tmp_path / "one.gguf", "llama")
+    writer.add_tensor("w.weight", gguf_quants.quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    gguf = GGUFFile(tmp_path / "one.gguf")
+    arrays, choices = convert(gguf, {"w.weight": "w.weight"}, mx.float32)
+    bits = choices["w.weight"].bits
+    assert (bits, choices["w.weight"].how) == (int(kind[1]), "exact")
+    back = mx.dequantize(arrays["w.weight"], arrays["w.scales"], arrays["w.biases"], group_size=32, bits=bits)
+    source = gguf.dequantize("w.weight")
+    assert np.abs(np.array(back) - source).max() <= 1e-6 * np.abs(source).max()
 
 
 def test_disk_cache_cold_then_warm(tmp_path):

@@ -99,6 +99,7 @@ class ReplyRouter:
         for marker, state in ((THINK_OPEN, "think"), (THINK_CLOSE, "text")):  # a stray closer is dropped
             if head.startswith(marker):
                 self._buf, self._state, self._skip_space = head[len(marker):], state, True
+                self._logprobs = []  # logprobs describe answer tokens only
                 return True
             if not final and marker.startswith(head):
                 return False  # could still become a marker (or is only whitespace so far)
@@ -114,6 +115,7 @@ class ReplyRouter:
             return False
         self._reasoning(out, self._buf[:at])
         self._buf, self._state, self._skip_space = self._buf[at + len(THINK_CLOSE):], "text", True
+        self._logprobs = []
         return True
 
     def _in_text(self, out: list[Event], final: bool) -> bool:
@@ -155,4 +157,4 @@ class ReplyRouter:
     def _reasoning(self, out: list[Event], text: str) -> None:
         if text:
             out.append(ReasoningDelta(text))
-            self._logprobs = []  # logprobs describe answer tokens only
+            self._logprobs = []

@@ -73,8 +73,8 @@ class MLXEngine:
         self.config = config
         self.device = describe_device()
         self.dtype = compute_dtype(gguf)
-        self._stream = mx.new_thread_local_stream(mx.default_device())
-        with mx.stream(self._stream):
+        self.stream = mx.new_thread_local_stream(mx.default_device())  # all of this engine's work
+        with mx.stream(self.stream):
             self.model = build_model(config)
             arrays, choices, self.weights_from = self._arrays(gguf, progress, cache_dir)
             quant = {name.rsplit(".", 1)[0]: {"group_size": c.group_size, "bits": c.bits}
@@ -152,7 +152,7 @@ class MLXEngine:
             raise ValueError("prefill needs at least one token")
         cache.reserve(len(ids))
         out = []
-        with mx.stream(self._stream):
+        with mx.stream(self.stream):
             self._settle()
             layers = cache.own()
             for start in range(0, len(ids), PREFILL_CHUNK):
@@ -166,7 +166,7 @@ class MLXEngine:
         return np.concatenate(out) if all_logits else out[-1]
 
     def decode(self, caches: Sequence[MLXKVCache], token_ids: Sequence[int]) -> np.ndarray:
-        with mx.stream(self._stream):
+        with mx.stream(self.stream):
             logits = self._step(caches, self._start(caches, token_ids)).astype(mx.float32)
             for cache in caches:
                 cache.n += 1
@@ -177,7 +177,7 @@ class MLXEngine:
         them. Like mlx-lm's generation loop, it queues the next step on the returned ids before
         waiting for them, so the device never idles while Python builds a step; that step is
         used when the next call continues those sequences with those ids, else undone."""
-        with mx.stream(self._stream):
+        with mx.stream(self.stream):
             spec = self._speculation
             if spec is not None and spec.continues(caches, token_ids):
                 self._speculation, ids = None, spec.ids
@@ -199,7 +199,7 @@ class MLXEngine:
     def truncate(self, cache: MLXKVCache, n: int) -> None:
         if not 0 <= n <= cache.length:
             raise ValueError(f"cannot truncate a cache of {cache.length} positions to {n}")
-        with mx.stream(self._stream):
+        with mx.stream(self.stream):
             self._settle()
             for layer in cache.own():
                 layer.trim(layer.offset - n)
@@ -211,7 +211,7 @@ class MLXEngine:
         if src is dst:
             self.truncate(src, n)
             return
-        with mx.stream(self._stream):
+        with mx.stream(self.stream):
             self._settle()
             dst.own()
             dst.layers = [self._fresh(layer.keys, layer.values, n) for layer in src.own()]
@@ -228,7 +228,7 @@ class MLXEngine:
 
     def save_cache(self, cache: MLXKVCache, path: Path) -> None:
         arrays: dict[str, mx.array] = {}
-        with mx.stream(self._stream):
+        with mx.stream(self.stream):
             self._settle()
             for i, layer in enumerate(cache.own()):
                 if cache.n:
@@ -239,7 +239,7 @@ class MLXEngine:
                                                 "length": str(cache.n)})
 
     def load_cache(self, path: Path, max_tokens: int) -> MLXKVCache:
-        with mx.stream(self._stream):
+        with mx.stream(self.stream):
             arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
             if metadata.get("format") != KV_FORMAT or metadata.get("geometry") != self._geometry:
                 raise ValueError(f"{path} is not a KV cache of this model on this engine")

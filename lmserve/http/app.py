@@ -117,6 +117,7 @@ def create_app(runtime: Runtime, cors_origins: list[str] | None = None) -> Lites
                 "context": runtime.ctx,
                 "queue_depth": scheduler.queue_depth,
                 "active_sequences": scheduler.active_sequences,
+                "tokens_generated": scheduler.tokens_generated,
                 "kv": runtime.slots.stats(),
                 "auth_required": bool(runtime.options.api_key),
                 "version": __version__,
