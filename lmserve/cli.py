@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def serve(args: argparse.Namespace) -> None:
     from lmserve.engine.select import load_engine
-    from lmserve.http.app import create_app
-    from lmserve.http.guard import Guard, GuardOptions, is_loopback_host
+    from lmserve.http.app import server_app
+    from lmserve.http.guard import GuardOptions, is_loopback_host
     from lmserve.model.default_model import default_model_path
     from lmserve.model.loader import load_model
     from lmserve.runtime import Runtime, ServerOptions
@@ -194,7 +194,7 @@ def serve(args: argparse.Namespace) -> None:
     guard = GuardOptions(api_key=args.api_key, max_conns=args.conns,
                          max_body=args.max_body or default_max_body(ctx),
                          check_host=loopback, allowed_hosts=set(args.allow_host))
-    app = Guard(create_app(runtime, cors_origins=args.cors), guard)
+    app = server_app(runtime, guard, args.cors)
     ready_s = time.time() - process_start
     print(banner(runtime, ready_s), flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3, lifespan="off")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lmserve.core.events import Event, Failed, Finished
@@ -46,6 +47,7 @@ class GenerationJob:
     reply: ReplyPlan = field(default_factory=ReplyPlan)  # reasoning, tool calls, grammar
     cancelled: threading.Event = field(default_factory=threading.Event)
     cached_tokens: int = 0  # prompt tokens found in a KV slot; set by the worker before any event
+    observer: Callable[[Event], None] | None = None  # sees each event on the connection side
     done: bool = False
 
     def cancel(self) -> None:
@@ -61,6 +63,8 @@ class GenerationJob:
         """Yield events until the terminal one (Finished or Failed)."""
         while True:
             event = await self.channel.get()
+            if self.observer is not None:
+                self.observer(event)
             yield event
             if isinstance(event, Finished | Failed):
                 return

@@ -21,6 +21,7 @@ from lmserve.core.events import Failed
 from lmserve.core.types import ChatRequest
 from lmserve.engine.jobs import GenerationJob
 from lmserve.http import fields
+from lmserve.http.access import RECORD_KEY, AccessLog
 from lmserve.http.anthropic import MessageRenderer, parse_messages
 from lmserve.http.common import (
     ErrorRenderer,
@@ -32,6 +33,8 @@ from lmserve.http.common import (
     read_json,
 )
 from lmserve.http.errors import anthropic_error, openai_error, renderer_for_path
+from lmserve.http.guard import Guard, GuardOptions
+from lmserve.http.metrics import Metrics
 from lmserve.http.openai_chat import ChatRenderer, parse_chat
 from lmserve.http.openai_responses import ResponseRenderer, parse_responses
 from lmserve.http.response_store import ResponseStore
@@ -46,7 +49,7 @@ def both(path: str) -> list[str]:
     return [path, path.removeprefix("/v1")]
 
 
-def create_app(runtime: Runtime, cors_origins: list[str] | None = None) -> Litestar:
+def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | None = None) -> Litestar:
     model = runtime.model
 
     def model_card() -> dict[str, Any]:
@@ -64,6 +67,9 @@ def create_app(runtime: Runtime, cors_origins: list[str] | None = None) -> Lites
         """Submit, then stream SSE frames or answer one JSON body: the same for every dialect."""
         chat.session_id = chat.session_id or session_hint(request)
         job = runtime.start_chat(chat)
+        record = request.scope.get(RECORD_KEY)
+        if record is not None:
+            job.observer = record.observe
         renderer = make_renderer(job)
         if chat.stream:
             return await lazy_stream(job, renderer.frames, render_error)
@@ -124,6 +130,10 @@ def create_app(runtime: Runtime, cors_origins: list[str] | None = None) -> Lites
             }
         )
 
+    @get("/metrics")
+    async def metrics_page() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @get("/", include_in_schema=False)
     async def chat_page() -> Response:
         return Response((STATIC / "index.html").read_bytes(), media_type=MediaType.HTML)
@@ -163,13 +173,26 @@ def create_app(runtime: Runtime, cors_origins: list[str] | None = None) -> Lites
             health,
             tokenize,
             detokenize,
+            metrics_page,
             chat_page,
             create_static_files_router(path="/static", directories=[STATIC], include_in_schema=False),
         ],
         exception_handlers={RequestError: _request_error, HTTPException: _http_error, Exception: _crash},
         cors_config=CORSConfig(allow_origins=cors_origins) if cors_origins else None,
         openapi_config=None,
+        logging_config=None,  # keep the process's own log format (cli.py)
     )
+
+
+def server_app(runtime: Runtime, guard: GuardOptions, cors_origins: list[str] | None = None) -> AccessLog:
+    """The full ASGI stack: request ids, metrics and logs outermost, then the guard, then the app."""
+    scheduler, slots = runtime.scheduler, runtime.slots
+    metrics = Metrics({
+        "lmserve_queue_depth": ("Requests waiting for the worker.", lambda: scheduler.queue_depth),
+        "lmserve_active_sequences": ("Sequences being generated.", lambda: scheduler.active_sequences),
+        "lmserve_kv_bytes": ("Bytes held by resident KV slots.", lambda: slots.stats()["kv_bytes"]),
+    })
+    return AccessLog(Guard(create_app(runtime, metrics, cors_origins), guard), metrics)
 
 
 def session_hint(request: Request) -> str | None:
