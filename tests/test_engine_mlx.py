@@ -23,6 +23,7 @@ mx = pytest.importorskip("mlx.core")
 from lmserve.engine.select import load_engine, mlx_gpu_available, select_engine  # noqa: E402
 from lmserve.engine_cpu import CacheFullError, CPUEngine  # noqa: E402
 from lmserve.engine_mlx import MLXEngine  # noqa: E402
+from lmserve.engine_mlx import engine as mlx_engine_module  # noqa: E402
 from lmserve.engine_mlx.model import build_model, gguf_names  # noqa: E402
 from lmserve.engine_mlx.weights import convert, load_native  # noqa: E402
 from lmserve.model.config import ModelConfig  # noqa: E402
@@ -211,6 +212,13 @@ TAIL = [33, 44, 55]
 
 def fresh(engine: MLXEngine, ids: list[int]) -> np.ndarray:
     return engine.prefill(engine.new_cache(64), ids)
+
+
+def test_chunked_prefill(tiny, monkeypatch):
+    whole = tiny.prefill(tiny.new_cache(64), PROMPT, all_logits=True)
+    monkeypatch.setattr(mlx_engine_module, "PREFILL_CHUNK", 7)
+    np.testing.assert_allclose(tiny.prefill(tiny.new_cache(64), PROMPT, all_logits=True), whole, atol=1e-4)
+    np.testing.assert_allclose(tiny.prefill(tiny.new_cache(64), PROMPT), whole[-1], atol=1e-4)
 
 
 def test_truncate_round_trip(tiny):

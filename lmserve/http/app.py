@@ -36,6 +36,7 @@ from lmserve.http.errors import anthropic_error, openai_error, renderer_for_path
 from lmserve.http.guard import Guard, GuardOptions
 from lmserve.http.metrics import Metrics
 from lmserve.http.openai_chat import ChatRenderer, parse_chat
+from lmserve.http.openai_completions import CompletionRenderer, parse_completion
 from lmserve.http.openai_responses import ResponseRenderer, parse_responses
 from lmserve.http.response_store import ResponseStore
 from lmserve.runtime import Runtime
@@ -96,6 +97,29 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
     async def messages(request: Request) -> Response:
         chat = parse_messages(await read_json(request), model.tokenizer.vocab_size)
         return await generate(request, chat, lambda job: MessageRenderer(model.model_id, job), anthropic_error)
+
+    @post(both("/v1/completions"), status_code=200)
+    async def completions(request: Request) -> Response:
+        call = parse_completion(await read_json(request), model.tokenizer)
+        jobs: list[GenerationJob] = []
+        try:
+            for prompt in call.prompts:
+                jobs.append(runtime.start_job(prompt, call.sampling, call.max_tokens, call.stop,
+                                              session_hint(request)))
+        except RequestError:
+            for job in jobs:
+                job.cancel()
+            raise
+        renderer = CompletionRenderer(model.model_id, call.sampling.logprobs, call.include_usage)
+        if call.stream:
+            first, rest = jobs[0], jobs[1:]
+            return await lazy_stream(first, lambda events: renderer.frames([events, *(j.events() for j in rest)]),
+                                     openai_error, rest)
+        per_prompt = [await collect(job, request) for job in jobs]
+        for events in per_prompt:
+            if isinstance(events[-1], Failed):
+                return openai_error(failure_error(events[-1]))
+        return json_response(renderer.body(per_prompt))
 
     @post(both("/v1/messages/count_tokens"), status_code=200)
     async def count_tokens(request: Request) -> Response:
@@ -167,6 +191,7 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
             chat_completions,
             responses,
             messages,
+            completions,
             count_tokens,
             list_models,
             get_model,

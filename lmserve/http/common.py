@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 from litestar import Request, Response
@@ -63,16 +63,19 @@ async def lazy_stream(
     job: GenerationJob,
     frames: Callable[[AsyncIterator[Event]], AsyncIterator[bytes]],
     render_error: ErrorRenderer,
+    siblings: Sequence[GenerationJob] = (),
 ) -> Response:
     """Start the SSE response only once the first event exists, so that a request failing
-    before its first token gets a plain JSON error with its status instead of a 200 stream."""
+    before its first token gets a plain JSON error with its status instead of a 200 stream.
+    `siblings` (further prompts of the same request) are cancelled with it."""
     events = job.events()
     try:
         first = await anext(events)
     except BaseException:
-        job.cancel()
+        cancel_all(job, siblings)
         raise
     if isinstance(first, Failed):
+        cancel_all(job, siblings)
         return render_error(failure_error(first))
 
     async def replay() -> AsyncIterator[Event]:
@@ -85,10 +88,15 @@ async def lazy_stream(
             async for frame in frames(replay()):
                 yield frame
         finally:
-            job.cancel()  # client gone or stream over: either way the worker may drop the job
+            cancel_all(job, siblings)  # client gone or stream over: either way the worker may drop it
 
     return Stream(body(), media_type="text/event-stream",
                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def cancel_all(job: GenerationJob, siblings: Sequence[GenerationJob] = ()) -> None:
+    for j in (job, *siblings):
+        j.cancel()
 
 
 async def collect(job: GenerationJob, request: Request) -> list[Event]:
