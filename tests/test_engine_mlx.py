@@ -334,4 +334,5 @@ def test_load_engine_builds_the_named_engine():
     assert isinstance(mlx_engine, MLXEngine) and mlx_engine.name == "mlx"
     assert mlx_engine.device in ("cpu (MLX CPU backend)", "gpu (Metal)", "gpu (CUDA)")
     assert mlx_engine.weight_bytes > 0 and mlx_engine.config is config
+    assert mlx_engine.kv_dtype_bytes == mlx_engine.dtype.size
     assert isinstance(load_engine("cpu", gguf, config), CPUEngine)

@@ -144,7 +144,8 @@ def test_anthropic_round_trip(claude: anthropic.Anthropic) -> None:
                                     extra_body=GREEDY)
     assert answer.content[0].type == "text" and answer.content[0].text
     assert answer.stop_reason in ("end_turn", "max_tokens")
-    assert answer.usage.input_tokens > first.usage.input_tokens + 20
+    prompt = [m.usage.input_tokens + m.usage.cache_read_input_tokens for m in (first, answer)]
+    assert prompt[1] > prompt[0] + 20
 
 
 # -- tool_choice errors ---------------------------------------------------------------------------------------

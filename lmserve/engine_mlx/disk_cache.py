@@ -32,11 +32,8 @@ def default_cache_dir() -> Path:
 
 def cache_path(gguf: GGUFFile, dtype: mx.Dtype, cache_dir: Path) -> Path:
     stat = gguf.path.stat()
-    header_end = min((t.offset for t in gguf.tensors.values()), default=stat.st_size)
-    digest = hashlib.sha256(f"{FORMAT}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|".encode())
-    with gguf.path.open("rb") as f:
-        digest.update(f.read(header_end))
-    return cache_dir / "mlx" / f"{gguf.path.stem}.{digest.hexdigest()[:16]}.safetensors"
+    key = f"{FORMAT}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{gguf.header_digest()}"
+    return cache_dir / "mlx" / f"{gguf.path.stem}.{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
 
 
 def load(path: Path) -> tuple[dict[str, mx.array], dict[str, Choice]] | None:

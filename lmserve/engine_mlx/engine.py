@@ -73,6 +73,7 @@ class MLXEngine:
         self.config = config
         self.device = describe_device()
         self.dtype = compute_dtype(gguf)
+        self.kv_dtype_bytes = self.dtype.size  # keys and values are cached in the compute dtype
         self.stream = mx.new_thread_local_stream(mx.default_device())  # all of this engine's work
         with mx.stream(self.stream):
             self.model = build_model(config)
