@@ -5,7 +5,7 @@ memory bandwidth divided by the bytes of weights a token reads. The bandwidth is
 same run (machines and their neighbours vary), with the kernel decode itself uses: a BLAS
 matrix-vector product over a matrix much larger than the caches.
 
-    python scripts/bench_engine.py [--engine cpu|mlx] [--model PATH]
+    python scripts/bench_engine.py [--engine cpu|mlx] [--model PATH] [--grammar]
 """
 
 from __future__ import annotations
@@ -23,10 +23,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lmserve.core.types import OutputFormat
+from lmserve.engine.grammar import Grammars
+from lmserve.engine.grammar_sources import output_grammar
 from lmserve.engine.protocol import Engine
 from lmserve.model.config import ModelConfig
 from lmserve.model.default_model import default_model_path
 from lmserve.model.gguf_file import GGUFFile
+from lmserve.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from lmserve.engine_mlx import MLXEngine
@@ -145,6 +149,7 @@ def main() -> None:
     parser.add_argument("--kquant", type=Path, default=KQUANT_FIXTURE,
                         help="mlx: the K-quant GGUF whose cold (converting) and warm (cached) start is timed")
     parser.add_argument("--rounds", type=int, default=3, help="mlx: interleaved runs against mlx-lm, best kept")
+    parser.add_argument("--grammar", action="store_true", help="also time a JSON-schema grammar per token")
     parser.add_argument("--probe-ready", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe_ready:  # the child of seconds_to_ready
@@ -184,9 +189,55 @@ def main() -> None:
     ]
     if args.engine == "mlx":
         rows += mlx_rows(engine, prompt, decode_prompt, args)
+    if args.grammar:
+        rows += grammar_rows(engine, args)
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         print(f"{label:<{width}}  {value}")
+
+
+# -- grammar: llguidance's mask and consume per token against one decode step -------------------
+
+GRAMMAR_SCHEMA = {"type": "object", "required": ["items"], "properties": {"items": {
+    "type": "array", "minItems": 8, "items": {"type": "object", "required": ["name", "count"], "properties": {
+        "name": {"type": "string"}, "count": {"type": "integer"}}}}}}
+
+
+def grammar_rows(engine: Engine, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Greedy decode under a JSON-schema grammar, the grammar's share (bitmask, -inf fill, consume)
+    timed apart from the engine's decode step; plus compiling it cold and from the cache."""
+    tokenizer = Tokenizer.from_gguf(GGUFFile(args.model or default_model_path()))
+    grammars = Grammars(tokenizer)
+    source = output_grammar(OutputFormat("json_schema", GRAMMAR_SCHEMA, "bench"))
+    start = time.perf_counter()
+    grammar = grammars.compile(source)
+    cold_s = time.perf_counter() - start
+    start = time.perf_counter()
+    grammars.compile(source)
+    cached_s = time.perf_counter() - start
+    prompt = tokenizer.encode("<|im_start|>user\nList fruits and counts as JSON.<|im_end|>\n<|im_start|>assistant\n")
+    constraint = grammar.constraint()
+    assert constraint is not None
+    cache = engine.new_cache(len(prompt) + args.decode_tokens + 1)
+    logits = engine.prefill(cache, prompt)
+    grammar_s = decode_s = 0.0
+    steps = 0
+    while steps < args.decode_tokens and not constraint.finished:
+        start = time.perf_counter()
+        token = int(np.argmax(constraint.mask(logits)))
+        constraint.consume(token)
+        grammar_s += time.perf_counter() - start
+        start = time.perf_counter()
+        logits = engine.decode([cache], [token])[0]
+        decode_s += time.perf_counter() - start
+        steps += 1
+    return [
+        ("grammar compile", f"{cold_s * 1e3:.0f} ms cold (with llguidance's tokenizer), "
+                            f"{cached_s * 1e6:.0f} us cached"),
+        ("grammar per token", f"{grammar_s / steps * 1e3:.2f} ms against a {decode_s / steps * 1e3:.1f} ms decode "
+                              f"step over {steps} tokens"),
+        ("grammar / decode step (< 10%)", f"{grammar_s / decode_s:.1%}"),
+    ]
 
 
 # -- mlx: the engine against mlx-lm's own generation loop on the same weights ------------------

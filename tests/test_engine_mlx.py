@@ -336,3 +336,21 @@ def test_load_engine_builds_the_named_engine():
     assert mlx_engine.weight_bytes > 0 and mlx_engine.config is config
     assert mlx_engine.kv_dtype_bytes == mlx_engine.dtype.size
     assert isinstance(load_engine("cpu", gguf, config), CPUEngine)
+
+
+def test_http_mlx_engine_greedy_tokens_equal_the_numpy_engine(smollm2_server):
+    """`--engine mlx` (MLX's CPU backend here) serves the same first 8 greedy tokens as NumPy."""
+    import httpx
+
+    from tests.server_util import start_server
+
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0,
+            "max_tokens": 8, "logprobs": True}
+
+    def tokens(server) -> list[str]:
+        r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=300)
+        return [t["token"] for t in r.json()["choices"][0]["logprobs"]["content"]]
+
+    with start_server("--engine", "mlx", "--ctx", "512") as mlx_server:
+        assert "mlx" in httpx.get(mlx_server.base_url + "/health").json()["engine"]
+        assert tokens(mlx_server) == tokens(smollm2_server)

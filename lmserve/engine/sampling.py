@@ -25,7 +25,8 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int] | None = None) -> None:
         self.params = params
-        self.rng = np.random.default_rng(params.seed)
+        # OpenAI's seeds span int64; NumPy takes non-negative ones: fold negatives into that range.
+        self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
         self._recent: list[int] = list(prompt_ids or [])[-params.repeat_last_n:] if params.repeat_last_n else []
         self._counts: Counter[int] = Counter()
         if params.logit_bias:

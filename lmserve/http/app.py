@@ -20,7 +20,7 @@ from lmserve.core.errors import RequestError, invalid
 from lmserve.core.events import Failed
 from lmserve.core.types import ChatRequest
 from lmserve.engine.jobs import GenerationJob
-from lmserve.http import fields
+from lmserve.http import fields, openapi
 from lmserve.http.access import RECORD_KEY, AccessLog
 from lmserve.http.anthropic import MessageRenderer, parse_messages
 from lmserve.http.common import (
@@ -79,7 +79,7 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
             return render_error(failure_error(events[-1]))
         return json_response(renderer.body(events))
 
-    @post(both("/v1/chat/completions"), status_code=200)
+    @post(both("/v1/chat/completions"), status_code=200, operation_class=openapi.json_body(openapi.CHAT))
     async def chat_completions(request: Request) -> Response:
         chat, options = parse_chat(await read_json(request), model.tokenizer.vocab_size)
         return await generate(request, chat, lambda job: ChatRenderer(model.model_id, chat.sampling.logprobs,
@@ -87,18 +87,18 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
 
     responses_store = ResponseStore()
 
-    @post(both("/v1/responses"), status_code=200)
+    @post(both("/v1/responses"), status_code=200, operation_class=openapi.json_body(openapi.RESPONSES))
     async def responses(request: Request) -> Response:
         call = parse_responses(await read_json(request), model.tokenizer.vocab_size, responses_store)
         return await generate(request, call.chat,
                               lambda job: ResponseRenderer(model.model_id, call, responses_store), openai_error)
 
-    @post(both("/v1/messages"), status_code=200)
+    @post(both("/v1/messages"), status_code=200, operation_class=openapi.json_body(openapi.MESSAGES))
     async def messages(request: Request) -> Response:
         chat = parse_messages(await read_json(request), model.tokenizer.vocab_size)
         return await generate(request, chat, lambda job: MessageRenderer(model.model_id, job), anthropic_error)
 
-    @post(both("/v1/completions"), status_code=200)
+    @post(both("/v1/completions"), status_code=200, operation_class=openapi.json_body(openapi.COMPLETIONS))
     async def completions(request: Request) -> Response:
         call = parse_completion(await read_json(request), model.tokenizer)
         jobs: list[GenerationJob] = []
@@ -121,7 +121,8 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
                 return openai_error(failure_error(events[-1]))
         return json_response(renderer.body(per_prompt))
 
-    @post(both("/v1/messages/count_tokens"), status_code=200)
+    @post(both("/v1/messages/count_tokens"), status_code=200,
+          operation_class=openapi.json_body(openapi.COUNT_TOKENS))
     async def count_tokens(request: Request) -> Response:
         body = await read_json(request)
         chat = parse_messages(body, model.tokenizer.vocab_size, require_max_tokens=False)
@@ -162,7 +163,7 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
     async def chat_page() -> Response:
         return Response((STATIC / "index.html").read_bytes(), media_type=MediaType.HTML)
 
-    @post("/tokenize", status_code=200)
+    @post("/tokenize", status_code=200, operation_class=openapi.json_body(openapi.TOKENIZE))
     async def tokenize(request: Request) -> Response:
         body = await read_json(request)
         content = fields.string(body, "content")
@@ -177,7 +178,7 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
             tokens = ids
         return json_response({"tokens": tokens})
 
-    @post("/detokenize", status_code=200)
+    @post("/detokenize", status_code=200, operation_class=openapi.json_body(openapi.DETOKENIZE))
     async def detokenize(request: Request) -> Response:
         body = await read_json(request)
         ids = fields.array(body, "tokens")
@@ -204,7 +205,7 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
         ],
         exception_handlers={RequestError: _request_error, HTTPException: _http_error, Exception: _crash},
         cors_config=CORSConfig(allow_origins=cors_origins) if cors_origins else None,
-        openapi_config=None,
+        openapi_config=openapi.openapi_config(),
         logging_config=None,  # keep the process's own log format (cli.py)
     )
 

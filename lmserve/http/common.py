@@ -15,6 +15,7 @@ from lmserve.core.events import Event, Failed
 from lmserve.engine.jobs import GenerationJob
 
 ErrorRenderer = Callable[[RequestError], Response]
+MAX_DEPTH = 64  # JSON nesting a request may use (tool schemas nest, but never this far)
 
 
 class Renderer(Protocol):
@@ -43,9 +44,53 @@ async def read_json(request: Request) -> dict[str, Any]:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(f"the request body is not valid JSON: {exc}", 400, "body") from None
+    except RecursionError:
+        raise _too_deep() from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", 400, "body")
+    _check_tree(body)
     return body
+
+
+def _too_deep() -> RequestError:
+    return RequestError(f"the request body nests deeper than {MAX_DEPTH} levels", 400, "body")
+
+
+def _check_tree(body: Any) -> None:
+    """Refuse what json.loads lets through but nothing downstream can handle: nesting deeper than
+    MAX_DEPTH (recursive renderers would overflow) and lone UTF-16 surrogates from `\\ud800`-style
+    escapes (text that cannot be encoded, so the tokenizer cannot take it). Walks iteratively."""
+    stack: list[tuple[Any, int, tuple]] = [(body, 0, ())]
+    while stack:
+        value, depth, path = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _too_deep()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, (path, key))
+                stack.append((item, depth + 1, (path, key)))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1, (path, i)) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, path)
+
+
+def _check_text(text: str, path: tuple) -> None:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        where = _path_name(path) or "body"
+        raise RequestError(f"{where}: contains a lone UTF-16 surrogate escape; text must be valid Unicode",
+                           400, where) from None
+
+
+def _path_name(path: tuple) -> str:
+    """(((), "messages"), 0) -> "messages[0]"."""
+    parts: list[str] = []
+    while path:
+        path, key = path
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+    return "".join(reversed(parts)).lstrip(".")
 
 
 def sse(data: Any, event: str | None = None) -> bytes:
