@@ -127,6 +127,19 @@ def banner(runtime, ready_s: float) -> str:
     return "\n".join([f"lmserve {__version__}"] + [f"  {k:<{width}}  {v}" for k, v in rows])
 
 
+def seconds_since_process_start() -> float:
+    """How long this process has run. On Linux from /proc in clock ticks (psutil's create_time
+    adds a boot time rounded to whole seconds, up to a second off); elsewhere psutil's figure."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return max(0.0, time.time() - psutil.Process().create_time())
+
+
 def injected_available_memory() -> int | None:
     """Test hook: LMSERVE_AVAILABLE_MEMORY (bytes) stands in for psutil's available memory."""
     value = os.environ.get("LMSERVE_AVAILABLE_MEMORY")
@@ -168,7 +181,7 @@ def serve(args: argparse.Namespace) -> None:
     from lmserve.model.loader import load_model
     from lmserve.runtime import Runtime, ServerOptions
 
-    process_start = psutil.Process().create_time()
+    process_start = time.time() - seconds_since_process_start()
     loopback = is_loopback_host(args.host)
     if not loopback and not args.api_key:
         raise SystemExit(f"lmserve: refusing to listen on non-loopback address {args.host} without an API key "

@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 BANDWIDTH_BYTES = 512 << 20  # 16x the largest L3 cache on the machines we bench on
 KQUANT_FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tiny-llama" / "tiny-llama-Q4_K_M.gguf"
 READY_CHILD = """
-import sys, time, psutil
+import sys
+from lmserve.cli import seconds_since_process_start
 from lmserve.engine_mlx import MLXEngine
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile
@@ -46,7 +47,7 @@ gguf = GGUFFile(sys.argv[1])
 engine = MLXEngine(gguf, ModelConfig.from_gguf(gguf))
 source = engine.weights_from
 tag = "cached" if source.startswith("cache ") else "converted" if "converted" in source else "native"
-print(time.time() - psutil.Process().create_time(), tag)
+print(seconds_since_process_start(), tag)
 """
 
 

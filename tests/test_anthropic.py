@@ -104,13 +104,6 @@ def test_invalid_fields_use_the_anthropic_envelope(smollm2_server, body, field):
     assert field in data["error"]["message"]
 
 
-def test_forced_tool_choice_is_501_until_tools_land(smollm2_server):
-    body = {"max_tokens": 5, "messages": CAPITAL, "tool_choice": {"type": "any"},
-            "tools": [{"name": "f", "input_schema": {"type": "object"}}]}
-    r = httpx.post(smollm2_server.base_url + "/v1/messages", json=body)
-    assert r.status_code == 501 and "tool_choice" in r.json()["error"]["message"]
-
-
 def replay(server, capture: str, max_tokens: int = 24) -> tuple[int, list[tuple[str, dict]], dict]:
     """POST a captured Claude Code request (path, headers, body as captured) and read the stream.
     max_tokens is lowered from the captured 64000 to keep the reply short on a 2-core CI runner."""

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from lmserve.engine_cpu import CacheFullError, CPUEngine
+from lmserve.engine_cpu import engine as engine_module
 from lmserve.engine_cpu.cache import GROW_STEP
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile
@@ -195,6 +196,21 @@ def test_tiny_qwen_fixtures_load_and_batch(tiny_engines: dict[str, CPUEngine], n
         np.testing.assert_allclose(batched[i], engine.decode([solo], [i + 1])[0], rtol=1e-5, atol=1e-5)
 
 
+def test_prefill_in_pieces_and_chunks_equals_one_pass(tiny_engines: dict[str, CPUEngine],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = tiny_engines["qwen3-F32"]
+    whole = engine.prefill(engine.new_cache(32), PROMPT, all_logits=True)
+    pieces = engine.new_cache(32)
+    first = engine.prefill(pieces, PROMPT[:4], all_logits=True)
+    rest = engine.prefill(pieces, PROMPT[4:], all_logits=True)
+    np.testing.assert_allclose(np.concatenate([first, rest]), whole, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 3)
+    chunked = engine.new_cache(32)
+    np.testing.assert_allclose(engine.prefill(chunked, PROMPT, all_logits=True), whole, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(engine.prefill(engine.new_cache(32), PROMPT), whole[-1], rtol=1e-5, atol=1e-5)
+    assert chunked.length == len(PROMPT)
+
+
 def test_f16_fixture_matches_f32(tiny_engines: dict[str, CPUEngine]) -> None:
     for arch in ("qwen2", "qwen3"):
         f32, f16 = (tiny_engines[f"{arch}-{t}"].prefill(tiny_engines[f"{arch}-{t}"].new_cache(32), PROMPT)
@@ -244,3 +260,10 @@ def test_tiny_qwen_matches_mlx_lm(tiny_models: dict[str, Path], tiny_engines: di
     engine = tiny_engines[f"{arch}-F32"]
     got = engine.prefill(engine.new_cache(32), PROMPT, all_logits=True)
     np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_progress_counts_every_tensor(tiny_models: dict[str, Path]) -> None:
+    calls: list[tuple[int, int]] = []
+    gguf = GGUFFile(tiny_models["qwen2-F16"])
+    CPUEngine(gguf, ModelConfig.from_gguf(gguf), progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(i, len(gguf.tensors)) for i in range(1, len(gguf.tensors) + 1)]

@@ -67,12 +67,3 @@ def test_n_greater_than_one_is_bad_request(client):
         client.chat.completions.create(model="x", messages=CAPITAL, n=2)
     assert info.value.body["param"] == "n"
 
-
-def test_forced_tool_choice_and_json_schema_are_501(client):
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    with pytest.raises(openai.APIStatusError) as info:
-        client.chat.completions.create(model="x", messages=CAPITAL, tools=tools, tool_choice="required")
-    assert info.value.status_code == 501 and info.value.body["param"] == "tool_choice"
-    with pytest.raises(openai.APIStatusError) as info:
-        client.chat.completions.create(model="x", messages=CAPITAL, response_format={"type": "json_object"})
-    assert info.value.status_code == 501 and info.value.body["param"] == "response_format"

@@ -15,6 +15,10 @@ import numpy as np
 from lmserve.model.config import ModelConfig
 
 
+class CacheFullError(ValueError):
+    """Appending would pass a cache's `max_tokens` (raised by every engine)."""
+
+
 @runtime_checkable
 class KVCache(Protocol):
     """One sequence's cached keys and values. Grows in steps; `length` positions are valid."""

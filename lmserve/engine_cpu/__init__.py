@@ -1,6 +1,7 @@
 """NumPy implementation of the Engine protocol: runs anywhere, float32 throughout."""
 
-from lmserve.engine_cpu.cache import CacheFullError, CPUCache
+from lmserve.engine.protocol import CacheFullError
+from lmserve.engine_cpu.cache import CPUCache
 from lmserve.engine_cpu.engine import CPUEngine
 
 __all__ = ["CPUCache", "CPUEngine", "CacheFullError"]

@@ -11,14 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
+from lmserve.engine.protocol import CacheFullError
 from lmserve.model.config import ModelConfig
 
 GROW_STEP = 256  # positions added per reallocation
 _FORMAT = "lmserve-cpu-kv-1"
-
-
-class CacheFullError(ValueError):
-    """Appending would pass the cache's `max_tokens`."""
 
 
 class CPUCache:
@@ -30,7 +27,7 @@ class CPUCache:
         self.geometry = (config.n_layers, config.n_kv_heads, config.head_dim)
         self._capacity = max_tokens
         self.length = 0
-        self.k = self.v = self._empty(0)
+        self.k, self.v = self._empty(0), self._empty(0)
 
     def _empty(self, positions: int) -> np.ndarray:
         layers, heads, head_dim = self.geometry

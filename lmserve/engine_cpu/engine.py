@@ -102,11 +102,11 @@ class CPUEngine:
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
             qkv = qkv.reshape(len(ids), nq + 2 * nkv, hd)
-            q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
             if layer.q_norm is not None and layer.k_norm is not None:
-                q = ops.rms_norm(q, layer.q_norm, cfg.rms_eps)
-                k = ops.rms_norm(k, layer.k_norm, cfg.rms_eps)
-            q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
+                qkv[:, :nq] = ops.rms_norm(qkv[:, :nq], layer.q_norm, cfg.rms_eps)
+                qkv[:, nq:nq + nkv] = ops.rms_norm(qkv[:, nq:nq + nkv], layer.k_norm, cfg.rms_eps)
+            qk = ops.rope(qkv[:, :nq + nkv], cos, sin)  # Q and K heads in one pass
+            q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
             attn = np.empty((len(ids), nq * hd), dtype=np.float32)
             for c, s, lo, hi in spans:
                 end = s + per_cache

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from lmserve.engine_cpu.cache import CacheFullError
+from lmserve.engine.protocol import CacheFullError
 
 
 class MLXKVCache:

@@ -27,7 +27,9 @@ class Renderer(Protocol):
 
 
 def dumps(payload: Any) -> bytes:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    """Compact UTF-8 JSON. A lone surrogate (only ever echoed from a refused request) is written
+    as its \\u escape instead of failing the response."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
 
 
 def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -44,6 +46,8 @@ async def read_json(request: Request) -> dict[str, Any]:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(f"the request body is not valid JSON: {exc}", 400, "body") from None
+    except ValueError:  # an integer literal past Python's digit limit (int_max_str_digits)
+        raise RequestError("the request body is not valid JSON: a number has too many digits", 400, "body") from None
     except RecursionError:
         raise _too_deep() from None
     if not isinstance(body, dict):
