@@ -196,7 +196,8 @@ def serve(args: argparse.Namespace) -> None:
     options = ServerOptions(host=args.host, port=args.port, ctx=ctx, max_queue=args.queue,
                             max_batch=args.batch, api_key=args.api_key, kv_slots=args.kv_slots,
                             kv_slots_force=args.kv_slots_force, kv_cache_dir=args.kv_cache_dir,
-                            kv_disk_slots=args.kv_disk_slots, available_memory=injected_available_memory())
+                            kv_disk_slots=args.kv_disk_slots, available_memory=injected_available_memory(),
+                            fault_marker=os.environ.get("LMSERVE_TEST_FAULTS") or None)
     try:
         runtime = Runtime(model, engine, options)
     except OSError as exc:

@@ -7,6 +7,7 @@ the prompt, checks it against the context, sizes the reply budget and queues the
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ class ServerOptions:
     kv_cache_dir: Path | None = None
     kv_disk_slots: int = 8
     available_memory: int | None = None  # None: ask psutil (tests inject a figure)
+    fault_marker: str | None = None  # test hook: prompts containing it fail in the worker
     started_at: float = field(default_factory=time.time)
 
 
@@ -62,10 +64,12 @@ class Runtime:
             disk = DiskTier(options.kv_cache_dir, model.gguf.header_digest(),
                             [engine.name, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim], options.kv_disk_slots)
         self.slots = SlotPool(engine, self.slot_budget.slots, options.ctx, disk)
-        self.scheduler = Scheduler(engine, model.tokenizer, self.slots, options.max_queue, options.max_batch)
+        self.scheduler = Scheduler(engine, model.tokenizer, self.slots, options.max_queue, options.max_batch,
+                                   options.fault_marker)
 
     def start(self) -> None:
         self.scheduler.start()
+        threading.Thread(target=self.replies.warm_up, name="lmserve-warm-up", daemon=True).start()
 
     def stop(self) -> None:
         self.scheduler.stop()

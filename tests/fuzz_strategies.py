@@ -63,6 +63,7 @@ class Case:
     route: str
     body: bytes
     content_type: str | None = "application/json"
+    method: str = "POST"
 
     @property
     def path(self) -> str:
@@ -70,7 +71,7 @@ class Case:
 
     def __repr__(self) -> str:
         shown = self.body[:600] + (b"..." if len(self.body) > 600 else b"")
-        return f"Case({self.route!r}, {len(self.body)} bytes, {self.content_type!r}: {shown!r})"
+        return f"Case({self.method} {self.route!r}, {len(self.body)} bytes, {self.content_type!r}: {shown!r})"
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         """How hypothesis prints a failing case: the short repr, not every field in full."""
@@ -291,7 +292,7 @@ def raw_cases(draw: st.DrawFn) -> Case:
     route = draw(st.sampled_from(sorted(PATHS)))
     valid = encode(BASES[route])
     kind = draw(st.sampled_from(["truncated", "bad_utf8", "not_object", "deep", "digits", "literal",
-                                 "content_type", "encoding"]))
+                                 "content_type", "encoding", "method"]))
     if kind == "truncated":
         body = valid[:draw(st.integers(0, len(valid) - 1))]
     elif kind == "bad_utf8":
@@ -311,6 +312,8 @@ def raw_cases(draw: st.DrawFn) -> Case:
         body = valid[:-1] + b',"' + key + b'":' + literal + b"}"
     elif kind == "content_type":
         return Case(route, valid, draw(st.sampled_from(CONTENT_TYPES)))
+    elif kind == "method":
+        return Case(route, valid, method=draw(st.sampled_from(["GET", "PUT", "PATCH", "DELETE", "HEAD"])))
     else:
         body = draw(st.sampled_from([b"\xef\xbb\xbf" + valid, valid.decode().encode("utf-16"),
                                      valid.decode().encode("utf-32"), valid + b"\x00", valid + valid,

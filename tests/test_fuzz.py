@@ -2,7 +2,7 @@
 cases from schemathesis against /openapi.json. Every reply must be a 4xx in the route's dialect
 envelope or a well-formed 200; never a 5xx, a hang or a traceback; the server keeps serving.
 
-CI runs LMSERVE_FUZZ_EXAMPLES (default 25) derandomized examples per test; `scripts/fuzz.py
+CI runs LMSERVE_FUZZ_EXAMPLES (default 30) derandomized examples per test; `scripts/fuzz.py
 --examples N` runs more, with fresh randomness.
 """
 
@@ -15,20 +15,22 @@ from collections.abc import Callable
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from tests.fuzz_strategies import GENERATING, PATHS, Case, body_cases, raw_cases
 from tests.wire_check import check_body, check_error, check_no_traceback, check_stream
 
-EXAMPLES = int(os.environ.get("LMSERVE_FUZZ_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("LMSERVE_FUZZ_EXAMPLES", "30"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, print_blob=True,
                 derandomize=not os.environ.get("LMSERVE_FUZZ_RANDOM"),
                 suppress_health_check=list(HealthCheck))
 TIMEOUT = 120.0  # valid cases reply within seconds: reaching this is a hang
 ROUTES = {path: route for route, path in PATHS.items()}
 LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+DEFAULT_LENGTH_FIELD = {PATHS["chat"]: "max_tokens", PATHS["completions"]: "max_tokens",
+                        PATHS["responses"]: "max_output_tokens", PATHS["messages"]: "max_tokens"}
 
 
 def check_reply(path: str, status: int, content_type: str, text: str) -> None:
@@ -49,8 +51,12 @@ def check_reply(path: str, status: int, content_type: str, text: str) -> None:
 
 
 def exchange(base_url: str, case: Case) -> None:
+    note(repr(case))  # printed with a failing example
     headers = {} if case.content_type is None else {"content-type": case.content_type}
-    r = httpx.post(base_url + case.path, content=case.body, headers=headers, timeout=TIMEOUT)
+    r = httpx.request(case.method, base_url + case.path, content=case.body, headers=headers, timeout=TIMEOUT)
+    if case.method == "HEAD":  # no body to check
+        assert r.status_code < 500, r.status_code
+        return
     check_reply(case.path, r.status_code, r.headers.get("content-type", ""), r.text)
 
 
@@ -86,18 +92,28 @@ def openapi(smollm2_server):
     return schema.include(path_regex=r"^/(v1/|tokenize|detokenize|health|metrics)")
 
 
+def cap_length(path: str, body: dict) -> None:
+    """Keep a schema-generated reply at 2 tokens (the rest of the body is what is under test):
+    cap a valid length field, set one where none is given (the defaults run to thousands)."""
+    for key in LENGTH_FIELDS:
+        if isinstance(body.get(key), int | float) and not isinstance(body[key], bool):
+            body[key] = min(body[key], 2)
+    key = DEFAULT_LENGTH_FIELD.get(path)
+    if key and body.get(key) is None and body.get("max_completion_tokens") is None:
+        body[key] = 2
+
+
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
 def test_fuzz_openapi_document(smollm2_server, openapi, mode):
-    """Schemathesis cases for every documented operation. Valid bodies keep their replies short:
-    any length field is capped at 2 tokens (it is the rest of the body that is under test)."""
+    """Schemathesis cases for every documented operation, valid (positive) and invalid (negative)."""
 
     def run(case) -> None:
+        note(f"{case.method} {case.formatted_path} {case.body!r:.2000}")
         if isinstance(case.body, dict):
-            for key in LENGTH_FIELDS:
-                if isinstance(case.body.get(key), int) and not isinstance(case.body[key], bool):
-                    case.body[key] = min(case.body[key], 2)
+            cap_length(case.formatted_path, case.body)
         r = case.call(base_url=smollm2_server.base_url, timeout=TIMEOUT)
-        check_reply(case.formatted_path, r.status_code, r.headers.get("content-type", ""), r.text)
+        content_type = r.headers.get("content-type") or [""]  # schemathesis keeps every value of a header
+        check_reply(case.formatted_path, r.status_code, content_type[0], r.text)
 
     fuzz(openapi.as_strategy(generation_mode=mode), run)
     assert_still_serving(smollm2_server)
@@ -165,3 +181,21 @@ def test_regression_negative_seed_is_served_not_failed_in_the_worker(smollm2_ser
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "seed": seed, "temperature": 1})
     assert r.status_code == 200, r.text
     check_body("chat", r.json())
+
+
+@pytest.mark.parametrize("penalty", [0, 5e-324, 0.001])
+def test_regression_repeat_penalty_near_zero_is_400_not_nan_probabilities(smollm2_server, penalty):
+    r = httpx.post(smollm2_server.base_url + "/v1/chat/completions", timeout=TIMEOUT, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "repeat_penalty": penalty})
+    assert r.status_code == 400, r.text
+    assert check_error("/v1/chat/completions", 400, r.json()).startswith("repeat_penalty:")
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-310])
+def test_regression_denormal_temperature_samples_instead_of_nan_probabilities(smollm2_server, temperature):
+    """A temperature this small is greedy in effect; dividing unshifted logits by it overflowed."""
+    r = httpx.post(smollm2_server.base_url + "/v1/chat/completions", timeout=TIMEOUT, json={
+        "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16,
+        "temperature": temperature})
+    assert r.status_code == 200, r.text
+    assert check_body("chat", r.json()).text == "The capital of France is Paris."

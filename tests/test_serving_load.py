@@ -51,7 +51,8 @@ def small_queue():
 
 def test_full_queue_gets_429_with_retry_after_and_recovers(small_queue):
     with stream_lines(small_queue, LONG) as running:  # occupies the worker
-        next(running.iter_lines())
+        lines = running.iter_lines()  # kept: a discarded line iterator closes the stream
+        next(lines)
         wait_for(lambda: health(small_queue)["active_sequences"] == 1)
         queued = threading.Thread(target=chat_text, args=(small_queue, LONG["messages"], 2))
         queued.start()
@@ -78,7 +79,8 @@ def test_disconnect_stops_generation_and_frees_the_queue_place(small_queue):
     assert health(small_queue)["tokens_generated"] == before
     # A queued request whose client leaves gives its place back and is never generated.
     with stream_lines(small_queue, LONG) as running:
-        next(running.iter_lines())
+        lines = running.iter_lines()
+        next(lines)
         client = httpx.Client(timeout=1.0)
         with pytest.raises(httpx.ReadTimeout):
             client.post(small_queue.base_url + "/v1/chat/completions", json=LONG)

@@ -166,22 +166,28 @@ def _openai_stream(dialect: str, frames: list[tuple[str | None, str]]) -> Reply:
         chunks = chunks[:-1]
     ids = {c["id"] for c in chunks}
     assert len(ids) <= 1, f"chunks of several ids: {ids}"
+    finished: dict[int, str] = {}  # choice index -> finish reason (completions: one choice per prompt)
     for chunk in chunks:
         if not chunk["choices"]:  # the trailing usage chunk
-            assert chunk is chunks[-1] and reply.finish, "usage chunk not last or before the finish"
+            assert chunk is chunks[-1] and finished, "usage chunk not last or before the finish"
             _openai_usage(reply, chunk["usage"], "prompt_tokens", "completion_tokens", "prompt_tokens_details")
             continue
         choice = chunk["choices"][0]
-        assert reply.finish is None, f"a chunk after finish_reason {reply.finish!r}"
-        if dialect == "chat":
+        index = choice["index"]
+        assert index not in finished, f"a chunk for choice {index} after its finish_reason {finished[index]!r}"
+        if index == 0 and dialect == "chat":
             delta = choice["delta"]
             reply.text += delta.get("content") or ""
             reply.calls += [(c["function"]["name"], c["function"]["arguments"]) for c in delta.get("tool_calls", [])]
-        else:
+        elif index == 0:
             reply.text += choice["text"]
-        reply.finish = choice["finish_reason"]
+        if choice["finish_reason"] is not None:
+            finished[index] = choice["finish_reason"]
+    reply.finish = finished.get(0)
     if reply.error is None:
-        assert reply.finish in FINISH_REASONS[dialect], f"stream ended without a finish: {chunks[-1:]}"
+        assert finished and all(f in FINISH_REASONS[dialect] for f in finished.values()), \
+            f"stream ended without a finish: {chunks[-1:]}"
+        assert sorted(finished) == list(range(len(finished))), f"finished choices {sorted(finished)}"
     return reply
 
 

@@ -36,6 +36,12 @@ class ReplyPlanner:
         self._format: ToolFormat | None | object = _UNDETECTED
         self._format_lock = threading.Lock()
 
+    def warm_up(self) -> None:
+        """Do the slow first-use work (importing the tool parsers, building llguidance's tokenizer)
+        ahead of the first request that needs it; called from a background thread at startup."""
+        _ = self.tool_format
+        _ = self.grammars.ll_tokenizer
+
     @property
     def tool_format(self) -> ToolFormat | None:
         """Detected on the first request with tools (it imports mlx-lm)."""

@@ -56,7 +56,8 @@ class Sampler:
         p = self.params
         if p.greedy:
             return int(np.argmax(logits))
-        scaled = logits.astype(np.float64) / p.temperature
+        # Shift before scaling: a denormal temperature then sends the rest to -inf, never inf - inf.
+        scaled = (logits.astype(np.float64) - logits.max()) / p.temperature
         candidates = np.arange(scaled.size)
         if 0 < p.top_k < scaled.size:
             candidates = np.argpartition(-scaled, p.top_k)[: p.top_k]

@@ -30,6 +30,10 @@ class QueueFull(Exception):
     """The bounded queue has no free place; the caller answers 429."""
 
 
+class InjectedFault(RuntimeError):
+    """Raised by the test-only fault hook (LMSERVE_TEST_FAULTS; see Scheduler._inject_fault)."""
+
+
 @dataclass
 class _Sequence:
     """A job being decoded: its KV slot, sampler, reply state and the tokens it produced."""
@@ -60,8 +64,10 @@ class Scheduler:
         slots: SlotPool,
         max_queue: int = 16,
         max_batch: int = 1,
+        fault_marker: str | None = None,
     ) -> None:
         self.engine = engine
+        self.fault_marker = fault_marker  # test hook, None (inert) unless LMSERVE_TEST_FAULTS is set
         self.tokenizer = tokenizer
         self.slots = slots
         self.ctx = slots.ctx
@@ -200,6 +206,8 @@ class Scheduler:
     def _advance(self, seq: _Sequence, logits: np.ndarray | None = None, token: int | None = None) -> bool:
         """Sample (unless the device already did), stream the token; True when the job is over."""
         job = seq.job
+        if self.fault_marker is not None:
+            self._inject_fault(seq)
         if token is None:
             token, adjusted = seq.sampler.sample(seq.reply.mask(logits))
         else:
@@ -221,6 +229,12 @@ class Scheduler:
         if len(seq.generated) >= job.max_tokens or seq.cache.length >= self.ctx:
             return self._finish(seq, "length")
         return False
+
+    def _inject_fault(self, seq: _Sequence) -> None:
+        """Test hook: a request whose prompt contains the marker fails in the worker at its third
+        token, after its reply has started streaming; every other request is untouched."""
+        if len(seq.generated) == 2 and self.fault_marker in self.tokenizer.decode(seq.job.prompt_ids):
+            raise InjectedFault("injected test fault (LMSERVE_TEST_FAULTS)")
 
     def _finish(self, seq: _Sequence, reason: str) -> bool:
         for event in seq.reply.finish():

@@ -198,7 +198,8 @@ def parse_sampling(body: dict[str, Any], vocab_size: int) -> SamplingParams:
         min_p=fields.number(body, "min_p", 0.0, 0.0, 1.0),
         presence_penalty=fields.number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=fields.number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repeat_penalty=fields.number(body, "repeat_penalty", 1.0, 0.0, 10.0),
+        # It divides repeated tokens' positive logits: near 0 they overflow (1 turns it off).
+        repeat_penalty=fields.number(body, "repeat_penalty", 1.0, 0.01, 10.0),
         seed=fields.integer(body, "seed", None, -(2**63), 2**64 - 1),
         logit_bias=fields.logit_bias(body, "logit_bias", vocab_size),
     )

@@ -45,7 +45,7 @@ def _content(part_types: list[str]) -> Json:
 OPENAI_SAMPLING = {
     "model": STRING, "temperature": _num(0, 2), "top_p": _num(0, 1), "top_k": {"type": "integer", "minimum": 0},
     "min_p": _num(0, 1), "presence_penalty": _num(-2, 2), "frequency_penalty": _num(-2, 2),
-    "repeat_penalty": _num(0, 10), "seed": {"type": "integer"}, "stream": BOOL,
+    "repeat_penalty": _num(0.01, 10), "seed": {"type": "integer"}, "stream": BOOL,
     "stop": {"anyOf": [STRING, {**STRINGS, "maxItems": 4}]},
     "logit_bias": {"type": "object", "additionalProperties": _num(-100, 100)},
     "grammar": STRING, "regex": STRING, "lark": STRING, "json_schema": ANY_OBJECT,

@@ -53,8 +53,9 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        if not self.path.is_file():
-            raise ModelLoadError(f"model file not found: {self.path}")
+        if not self.path.is_file():  # a directory or a FIFO (whose open would block) is refused here
+            problem = "is not a regular file" if self.path.exists() else "not found"
+            raise ModelLoadError(f"model file {problem}: {self.path}")
         try:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         except (OSError, ValueError) as exc:

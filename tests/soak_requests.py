@@ -1,0 +1,132 @@
+"""The request mix a soak client draws from: one body builder per dialect, the behaviours (plain,
+tools, grammar, long prompts at the context limit, over-long prompts, bad requests) and what a
+correct reply to each looks like beyond being well formed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+
+from tests.wire_check import Reply
+
+DIALECTS = ("chat", "responses", "messages")
+PROMPTS = ["Say hello.", "Name three colors.", "What is 2+2?", "Write a haiku about rain.",
+           "Describe a cat in one sentence.", "List two fruits.", "What is the capital of France?"]
+FILLER = "The quick brown fox jumps over the lazy dog near the river bank. "
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+                  "additionalProperties": False}
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 24}},
+                 "required": ["answer"], "additionalProperties": False}
+TOOLS = {
+    "chat": [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
+                                               "parameters": WEATHER_SCHEMA, "strict": True}}],
+    "responses": [{"type": "function", "name": "get_weather", "description": "Weather for a city.",
+                   "parameters": WEATHER_SCHEMA, "strict": True}],
+    "messages": [{"name": "get_weather", "description": "Weather for a city.", "input_schema": WEATHER_SCHEMA}],
+}
+FORCED = {"chat": "required", "responses": "required", "messages": {"type": "any"}}
+GRAMMAR = {
+    "chat": {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}},
+    "responses": {"text": {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER_SCHEMA}}},
+    "messages": {"output_config": {"format": {"type": "json_schema", "schema": ANSWER_SCHEMA}}},
+}
+BAD = {
+    "chat": [{"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
+             {"messages": [{"role": "user", "content": "x"}], "temperature": 9}, {"messages": "x", "n": 3}],
+    "responses": [{"input": 5}, {"input": "x", "previous_response_id": "resp_gone"},
+                  {"input": [{"type": "mystery"}]}, {"input": "x", "max_output_tokens": -1}],
+    "messages": [{"messages": [{"role": "user", "content": "x"}]}, {"max_tokens": 5, "messages": [
+        {"role": "user", "content": [{"type": "image"}]}]}, {"max_tokens": 5, "messages": [], "top_k": -2}],
+}
+# Weights of the behaviours; "disconnect" and "stalled" are streams the client cuts or stops reading.
+KINDS = {"plain": 30, "tools": 10, "grammar": 10, "disconnect": 10, "stalled": 8, "bad": 8, "long": 6,
+         "overflow": 4}
+FINISHED_BY_LENGTH = ("length", "incomplete", "max_tokens")
+
+
+@dataclass
+class Planned:
+    """One request: where it goes, what it sends, and what its reply must satisfy."""
+
+    dialect: str
+    kind: str
+    body: dict[str, Any]
+    max_tokens: int | None = None
+    expect_status: int = 200
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+
+def body(dialect: str, text: str, max_tokens: int, stream: bool, temperature: float) -> dict[str, Any]:
+    """A one-turn request in `dialect`'s shape."""
+    if dialect == "responses":
+        out: dict[str, Any] = {"input": text, "max_output_tokens": max_tokens, "store": False}
+    else:
+        out = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+    out.update(stream=stream, temperature=temperature)
+    if dialect == "chat" and stream:
+        out["stream_options"] = {"include_usage": True}
+    return out
+
+
+class Mix:
+    """Draws requests; `filler_repeats` sizes prompts near the context (see `calibrate`)."""
+
+    def __init__(self, rng: random.Random, ctx: int, filler_repeats: tuple[int, int]) -> None:
+        self.rng = rng
+        self.ctx = ctx
+        self.long_repeats, self.overflow_repeats = filler_repeats
+
+    def draw(self, kind: str | None = None) -> Planned:
+        rng = self.rng
+        kind = kind or rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+        dialect = rng.choice(DIALECTS)
+        stream = kind in ("disconnect", "stalled") or rng.random() < 0.6
+        temperature = rng.choice([0.0, 0.0, 0.7])
+        if kind == "bad":
+            return Planned(dialect, kind, {**rng.choice(BAD[dialect]), "stream": stream}, expect_status=400)
+        if kind in ("long", "overflow"):
+            repeats = self.long_repeats if kind == "long" else self.overflow_repeats
+            text = f"{rng.randrange(10**6)} " + FILLER * repeats + "Summarize."
+            planned = Planned(dialect, kind, body(dialect, text, self.ctx, stream, temperature), None)
+            planned.expect_status = 200 if kind == "long" else 400
+            return planned
+        max_tokens = rng.randint(32, 48) if kind in ("tools", "grammar") else rng.randint(4, 24)
+        out = body(dialect, rng.choice(PROMPTS), max_tokens, stream, temperature)
+        if kind == "tools":
+            out["tools"] = TOOLS[dialect]
+            if rng.random() < 0.5:
+                out["tool_choice"] = FORCED[dialect]
+            out[MESSAGE_KEY[dialect]] = _as_input(dialect, "What is the weather in Paris? Use the tool.")
+        elif kind == "grammar":
+            out.update(GRAMMAR[dialect])
+        return Planned(dialect, kind, out, max_tokens)
+
+
+MESSAGE_KEY = {"chat": "messages", "responses": "input", "messages": "messages"}
+
+
+def _as_input(dialect: str, text: str) -> Any:
+    return text if dialect == "responses" else [{"role": "user", "content": text}]
+
+
+def check_semantics(plan: Planned, reply: Reply, ctx: int) -> None:
+    """What a well-formed reply to this plan must also satisfy."""
+    if plan.max_tokens is not None:
+        assert reply.completion_tokens <= plan.max_tokens, (reply.completion_tokens, plan.max_tokens)
+    assert reply.prompt_tokens + reply.completion_tokens <= ctx, (reply.prompt_tokens, reply.completion_tokens)
+    if plan.kind == "long" and reply.finish in FINISHED_BY_LENGTH:
+        assert reply.prompt_tokens + reply.completion_tokens == ctx, "a reply cut short of the context"
+    if plan.kind == "tools":
+        for name, arguments in reply.calls:
+            assert name == "get_weather", name
+            jsonschema.validate(json.loads(arguments), WEATHER_SCHEMA)
+    if plan.kind == "grammar" and reply.finish not in FINISHED_BY_LENGTH:
+        jsonschema.validate(json.loads(reply.text), ANSWER_SCHEMA)
