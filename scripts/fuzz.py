@@ -25,7 +25,7 @@ def main() -> int:
     args, pytest_args = p.parse_known_args()
     env = {**os.environ, "LMSERVE_FUZZ_EXAMPLES": str(args.examples), "LMSERVE_FUZZ_RANDOM": "1"}
     command = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_fuzz.py"), "-p", "no:cacheprovider",
-               "--timeout", "0", "-q", "--hypothesis-show-statistics", *pytest_args]
+               "--timeout", "0", "-q", "-s", *pytest_args]
     if args.seed is not None:
         command.append(f"--hypothesis-seed={args.seed}")
     return subprocess.call(command, cwd=ROOT, env=env)

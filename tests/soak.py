@@ -69,7 +69,7 @@ class Soak:
     def _calibrate(self) -> tuple[int, int]:
         """Filler repeats for a prompt a little under the context, and for one well over it."""
         def tokens(repeats: int) -> int:
-            body = {"messages": [{"role": "user", "content": "1 " + FILLER * repeats + "Summarize."}]}
+            body = {"messages": [{"role": "user", "content": FILLER * repeats + "Summarize item 123456."}]}
             r = httpx.post(self.server.base_url + "/v1/messages/count_tokens", json=body, timeout=60)
             return r.json()["input_tokens"]
 

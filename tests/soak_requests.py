@@ -47,6 +47,7 @@ BAD = {
 KINDS = {"plain": 30, "tools": 10, "grammar": 10, "disconnect": 10, "stalled": 8, "bad": 8, "long": 6,
          "overflow": 4}
 FINISHED_BY_LENGTH = ("length", "incomplete", "max_tokens")
+MESSAGE_KEY = {"chat": "messages", "responses": "input", "messages": "messages"}
 
 
 @dataclass
@@ -58,10 +59,6 @@ class Planned:
     body: dict[str, Any]
     max_tokens: int | None = None
     expect_status: int = 200
-
-    @property
-    def stream(self) -> bool:
-        return bool(self.body.get("stream"))
 
 
 def body(dialect: str, text: str, max_tokens: int, stream: bool, temperature: float) -> dict[str, Any]:
@@ -77,7 +74,8 @@ def body(dialect: str, text: str, max_tokens: int, stream: bool, temperature: fl
 
 
 class Mix:
-    """Draws requests; `filler_repeats` sizes prompts near the context (see `calibrate`)."""
+    """Draws requests; `filler_repeats` are the FILLER counts for a prompt just under the context
+    and one well over it (measured by Soak._calibrate)."""
 
     def __init__(self, rng: random.Random, ctx: int, filler_repeats: tuple[int, int]) -> None:
         self.rng = rng
@@ -94,10 +92,10 @@ class Mix:
             return Planned(dialect, kind, {**rng.choice(BAD[dialect]), "stream": stream}, expect_status=400)
         if kind in ("long", "overflow"):
             repeats = self.long_repeats if kind == "long" else self.overflow_repeats
-            text = f"{rng.randrange(10**6)} " + FILLER * repeats + "Summarize."
-            planned = Planned(dialect, kind, body(dialect, text, self.ctx, stream, temperature), None)
-            planned.expect_status = 200 if kind == "long" else 400
-            return planned
+            # A long shared opening (an agent's system prompt, say) and a varying end.
+            text = FILLER * repeats + f"Summarize item {rng.randrange(10**6)}."
+            return Planned(dialect, kind, body(dialect, text, self.ctx, stream, temperature),
+                           expect_status=200 if kind == "long" else 400)
         max_tokens = rng.randint(32, 48) if kind in ("tools", "grammar") else rng.randint(4, 24)
         out = body(dialect, rng.choice(PROMPTS), max_tokens, stream, temperature)
         if kind == "tools":
@@ -108,9 +106,6 @@ class Mix:
         elif kind == "grammar":
             out.update(GRAMMAR[dialect])
         return Planned(dialect, kind, out, max_tokens)
-
-
-MESSAGE_KEY = {"chat": "messages", "responses": "input", "messages": "messages"}
 
 
 def _as_input(dialect: str, text: str) -> Any:

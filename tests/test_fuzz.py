@@ -72,7 +72,16 @@ def assert_still_serving(server) -> None:
 
 
 def fuzz(strategy: st.SearchStrategy, run: Callable) -> None:
-    given(strategy)(FUZZ(run))()
+    """Run `run` on FUZZ's number of examples of `strategy`; prints the count (pytest -s shows it)."""
+    count = 0
+
+    def counted(case) -> None:
+        nonlocal count
+        count += 1
+        run(case)
+
+    given(strategy)(FUZZ(counted))()
+    print(f"fuzz: {count} examples")
 
 
 @pytest.mark.parametrize("route", sorted(PATHS))
