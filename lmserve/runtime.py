@@ -63,13 +63,18 @@ class Runtime:
         if options.kv_cache_dir is not None:
             disk = DiskTier(options.kv_cache_dir, model.gguf.header_digest(),
                             [engine.name, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim], options.kv_disk_slots)
+        self.warm = threading.Event()  # set once first-use work (tool parsers, grammar tokenizer) is done
         self.slots = SlotPool(engine, self.slot_budget.slots, options.ctx, disk)
         self.scheduler = Scheduler(engine, model.tokenizer, self.slots, options.max_queue, options.max_batch,
                                    options.fault_marker)
 
     def start(self) -> None:
         self.scheduler.start()
-        threading.Thread(target=self.replies.warm_up, name="lmserve-warm-up", daemon=True).start()
+        threading.Thread(target=self._warm_up, name="lmserve-warm-up", daemon=True).start()
+
+    def _warm_up(self) -> None:
+        self.replies.warm_up()
+        self.warm.set()
 
     def stop(self) -> None:
         self.scheduler.stop()

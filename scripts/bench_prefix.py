@@ -51,6 +51,13 @@ def ttft(base_url: str, messages: list[dict]) -> tuple[float, str, dict]:
     return (first or time.perf_counter()) - start, text, usage
 
 
+def wait_warm(base_url: str) -> None:
+    """Let the new process finish its one-time warm-up (importing the tool parsers) so the
+    restore is timed on its own."""
+    while not httpx.get(base_url + "/health").json().get("warm"):
+        time.sleep(0.1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--system-tokens", type=int, default=1800)
@@ -64,6 +71,7 @@ def main() -> None:
         server_args = [*([args.model] if args.model else []), "--engine", "cpu", "--kv-slots", "4",
                        "--kv-cache-dir", kv_dir]
         with start_server(*server_args) as server:
+            wait_warm(server.base_url)
             cold, reply_a, usage = ttft(server.base_url, a1)
             rows.append(("A turn 1 (cold)", cold, usage, None))
             t, _, usage = ttft(server.base_url, b1)
@@ -73,6 +81,7 @@ def main() -> None:
             rows.append(("A turn 2 (follow-up)", t, usage, 0.10))
         # The shutdown spilled the slots to disk; a new process restores A from there.
         with start_server(*server_args) as server:
+            wait_warm(server.base_url)
             a3 = a2 + [{"role": "assistant", "content": reply_a2}, {"role": "user", "content": "Screws?"}]
             t, _, usage = ttft(server.base_url, a3)
             rows.append(("A turn 3 (after restart)", t, usage, 0.20))

@@ -26,6 +26,7 @@ from tests.wire_check import PATHS, check_body, check_error, check_no_traceback,
 RESULTS = ("ok", "refused", "busy", "cut", "stopped", "FAIL")
 RSS_TOLERANCE = 0.05
 REQUEST_TIMEOUT = 180.0  # a queued request waits its turn; past this it counts as a hang
+RSS_SAMPLE_SECONDS = 10.0
 LONG_MARGIN = 24  # a long prompt leaves about this many tokens of the context for its reply
 
 
@@ -46,6 +47,7 @@ class Report:
     rss_warm: int
     health: dict | None = None  # /health once idle again (None after a SIGTERM)
     rss_end: int = 0
+    rss_trace: list[int] = field(default_factory=list)  # sampled during the run: plateau or climb?
     exit_code: int | None = None  # after a SIGTERM
     problems: list[str] = field(default_factory=list)  # server-side findings
 
@@ -175,9 +177,16 @@ class Soak:
                 while time.monotonic() < deadline and not self.stopping.is_set():
                     outcomes.append(self.execute(http, mix.draw(), mix.rng))
 
+        trace: list[int] = []
+        done = threading.Event()
+
+        def sample_rss() -> None:
+            while not done.wait(RSS_SAMPLE_SECONDS) and not self.stopping.is_set():
+                trace.append(self.rss())
+
         threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
         started = time.monotonic()
-        for t in threads:
+        for t in [*threads, threading.Thread(target=sample_rss, daemon=True)]:
             t.start()
         if sigterm_after is not None:
             time.sleep(sigterm_after)
@@ -185,7 +194,8 @@ class Soak:
             self.server.process.send_signal(signal.SIGTERM)
         for t in threads:
             t.join()
-        report = Report(outcomes, time.monotonic() - started, rss_warm)
+        done.set()
+        report = Report(outcomes, time.monotonic() - started, rss_warm, rss_trace=trace)
         if sigterm_after is not None:
             report.exit_code = self.server.process.wait(30)
             if report.exit_code != 0:
@@ -242,6 +252,10 @@ def table(report: Report) -> str:
                      f"kv.in_use {h['kv']['in_use']} of {h['kv']['slots']}")
         lines.append(f"RSS after warm-up {mib(report.rss_warm)}, at end {mib(report.rss_end)} "
                      f"({report.rss_end / report.rss_warm - 1:+.2%}; limit +{RSS_TOLERANCE:.0%})")
+        if report.rss_trace:
+            trace = report.rss_trace
+            points = [trace[min(len(trace) - 1, len(trace) * q // 4)] for q in range(5)]
+            lines.append("RSS during the run, at 0/25/50/75/100%: " + ", ".join(mib(n) for n in points))
     if report.exit_code is not None:
         lines.append(f"SIGTERM: exit status {report.exit_code}")
     lines += [f"PROBLEM: {p}" for p in report.failures[:20]]

@@ -149,6 +149,7 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
                 "queue_depth": scheduler.queue_depth,
                 "active_sequences": scheduler.active_sequences,
                 "tokens_generated": scheduler.tokens_generated,
+                "warm": runtime.warm.is_set(),
                 "kv": runtime.slots.stats(),
                 "auth_required": bool(runtime.options.api_key),
                 "version": __version__,
