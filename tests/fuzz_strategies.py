@@ -102,7 +102,8 @@ def _opt(**fields: st.SearchStrategy) -> st.SearchStrategy[dict[str, Any]]:
 
 
 def _kinds(*known: str) -> st.SearchStrategy:
-    return st.one_of(st.sampled_from(known), SCALARS)
+    """A discriminating field (role, type): a known value, or any JSON value at all."""
+    return st.one_of(st.sampled_from(known), JSON_VALUES)
 
 
 # -- nested shapes -----------------------------------------------------------------------------

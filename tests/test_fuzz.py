@@ -210,3 +210,16 @@ def test_regression_denormal_temperature_samples_instead_of_nan_probabilities(sm
         "temperature": temperature})
     assert r.status_code == 200, r.text
     assert check_body("chat", r.json()).text == "The capital of France is Paris."
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("chat", {"messages": [{"role": [], "content": "x"}], "max_tokens": 2}, "messages[0].role"),
+    ("responses", {"input": [{"type": []}], "max_output_tokens": 2}, "input[0].type"),
+    ("messages", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tool_choice": {"type": {}}},
+     "tool_choice.type"),
+])
+def test_regression_list_or_object_where_a_role_or_type_goes_is_400_not_unhashable_500(smollm2_server, route, body,
+                                                                                         param):
+    r = httpx.post(smollm2_server.base_url + PATHS[route], json=body, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    assert check_error(PATHS[route], 400, r.json()).startswith(param)

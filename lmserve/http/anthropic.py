@@ -127,7 +127,7 @@ def parse_tool_choice(body: dict[str, Any]) -> ToolChoice:
         if not name:
             raise invalid("tool_choice.name", "is required for tool_choice type tool")
         return ToolChoice("named", name)
-    if kind not in TOOL_CHOICES:
+    if not isinstance(kind, str) or kind not in TOOL_CHOICES:
         raise invalid("tool_choice.type", "must be one of auto, any, tool, none")
     return ToolChoice(TOOL_CHOICES[kind])
 

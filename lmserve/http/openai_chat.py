@@ -89,7 +89,7 @@ def parse_message(raw: Any, where: str) -> Message:
     if not isinstance(raw, dict):
         raise invalid(where, "must be an object")
     role = raw.get("role")
-    if role not in ROLE_ALIASES:
+    if not isinstance(role, str) or role not in ROLE_ALIASES:  # (a list or object is unhashable)
         raise invalid(f"{where}.role", f"unknown role {role!r}; expected one of "
                       "system, developer, user, assistant, tool")
     content = text_content(raw.get("content"), f"{where}.content")

@@ -103,6 +103,8 @@ def parse_input(value: Any) -> list[Message]:
         if not isinstance(item, dict):
             raise invalid(where, "must be an object")
         kind = item.get("type", "message" if "role" in item else None)
+        if not isinstance(kind, str):  # (and a list or object is unhashable)
+            raise invalid(f"{where}.type", "must be a string naming the item type")
         if kind == "message":
             role = item.get("role")
             if role not in INPUT_ROLES:
@@ -119,7 +121,7 @@ def parse_input(value: Any) -> list[Message]:
             history.add(Message("tool", output, tool_call_id=call_id, name=history.call_names.get(call_id)))
         elif kind == "reasoning":
             history.reasoning.append(_reasoning_text(item))
-        elif isinstance(kind, str) and (kind.endswith(DROPPED_ITEM_SUFFIXES) or kind in DROPPED_ITEMS):
+        elif kind.endswith(DROPPED_ITEM_SUFFIXES) or kind in DROPPED_ITEMS:
             continue
         else:
             raise invalid(f"{where}.type", f"unsupported input item type {kind!r}")
