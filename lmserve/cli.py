@@ -15,6 +15,7 @@ import psutil
 import uvicorn
 
 from lmserve import __version__
+from lmserve.engine.scheduler import PREFILL_CHUNK
 from lmserve.model.gguf_file import ModelLoadError
 
 DEFAULT_CTX_CAP = 8192
@@ -33,6 +34,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto: MLX when it has a GPU, else the NumPy engine")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for the worker (default 16)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
+                   help=f"prompt tokens prefilled between two decode steps of the running streams "
+                        f"(default {PREFILL_CHUNK}; 0: whole prompts at once)")
+    p.add_argument("--sse-keepalive", type=float, default=5.0, metavar="SECONDS",
+                   help="a stream silent this long (queued, long prefill) gets a ping or SSE comment (default 5)")
     p.add_argument("--kv-slots", type=int, default=4,
                    help="resident KV caches reused across requests (default 4, at least --batch)")
     p.add_argument("--kv-slots-force", action="store_true",
@@ -179,7 +185,7 @@ def serve(args: argparse.Namespace) -> None:
     from lmserve.http.guard import GuardOptions, is_loopback_host
     from lmserve.model.default_model import default_model_path
     from lmserve.model.loader import load_model
-    from lmserve.runtime import Runtime, ServerOptions
+    from lmserve.runtime import Runtime, ServerOptions, shutting_down
 
     process_start = time.time() - seconds_since_process_start()
     loopback = is_loopback_host(args.host)
@@ -192,12 +198,15 @@ def serve(args: argparse.Namespace) -> None:
     ctx = args.ctx or min(model.config.context_length, DEFAULT_CTX_CAP)
     if ctx < 16:
         raise SystemExit(f"lmserve: --ctx {ctx} is too small (at least 16)")
+    if args.prefill_chunk < 0 or args.sse_keepalive <= 0:
+        raise SystemExit("lmserve: --prefill-chunk must be 0 or more and --sse-keepalive more than 0")
     engine = load_engine(args.engine, model.gguf, model.config, LoadProgress("loading weights"))
     options = ServerOptions(host=args.host, port=args.port, ctx=ctx, max_queue=args.queue,
                             max_batch=args.batch, api_key=args.api_key, kv_slots=args.kv_slots,
                             kv_slots_force=args.kv_slots_force, kv_cache_dir=args.kv_cache_dir,
                             kv_disk_slots=args.kv_disk_slots, available_memory=injected_available_memory(),
-                            fault_marker=os.environ.get("LMSERVE_TEST_FAULTS") or None)
+                            fault_marker=os.environ.get("LMSERVE_TEST_FAULTS") or None,
+                            prefill_chunk=args.prefill_chunk, keepalive=args.sse_keepalive)
     try:
         runtime = Runtime(model, engine, options)
     except OSError as exc:
@@ -207,7 +216,8 @@ def serve(args: argparse.Namespace) -> None:
     runtime.start()
     guard = GuardOptions(api_key=args.api_key, max_conns=args.conns,
                          max_body=args.max_body or default_max_body(ctx),
-                         check_host=loopback, allowed_hosts=set(args.allow_host))
+                         check_host=loopback, allowed_hosts=set(args.allow_host),
+                         draining=lambda: runtime.draining, shutdown_error=shutting_down)
     app = server_app(runtime, guard, args.cors)
     ready_s = time.time() - process_start
     print(banner(runtime, ready_s), flush=True)

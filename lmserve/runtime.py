@@ -1,7 +1,8 @@
 """The serving runtime: one loaded model, its engine and the scheduler, and request admission.
 
-Dialect adapters hand a normalized ChatRequest (or prompt ids) to `Runtime.start_job`; it builds
-the prompt, checks it against the context, sizes the reply budget and queues the job.
+Dialect adapters hand a normalized ChatRequest (or prompt ids) to `Runtime.start_chat` /
+`start_job`; it builds the prompt, checks it against the context, sizes the reply budget, queues
+the job and returns its RequestHandle, the only thing HTTP holds of it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 
 from lmserve.core.errors import RequestError
 from lmserve.core.prompt import PromptBuilder
-from lmserve.core.types import ChatRequest, SamplingParams
+from lmserve.core.types import ChatRequest, OutputFormat, SamplingParams
+from lmserve.engine.handle import Observer, RequestHandle
 from lmserve.engine.jobs import EventChannel, GenerationJob
 from lmserve.engine.kv_disk import DiskTier
 from lmserve.engine.kv_slots import SlotPool
@@ -22,7 +24,7 @@ from lmserve.engine.planner import ReplyPlanner
 from lmserve.engine.protocol import Engine
 from lmserve.engine.ram_guard import plan_slots
 from lmserve.engine.reply import ReplyPlan
-from lmserve.engine.scheduler import QueueFull, Scheduler
+from lmserve.engine.scheduler import PREFILL_CHUNK, QueueFull, Scheduler, ShuttingDown
 from lmserve.model.loader import LoadedModel
 
 DEFAULT_MAX_TOKENS = 4096
@@ -42,6 +44,8 @@ class ServerOptions:
     kv_disk_slots: int = 8
     available_memory: int | None = None  # None: ask psutil (tests inject a figure)
     fault_marker: str | None = None  # test hook: prompts containing it fail in the worker
+    prefill_chunk: int = PREFILL_CHUNK
+    keepalive: float = 5.0  # seconds of silence after which a stream writes a keep-alive frame
     started_at: float = field(default_factory=time.time)
 
 
@@ -66,7 +70,7 @@ class Runtime:
         self.warm = threading.Event()  # set once first-use work (tool parsers, grammar tokenizer) is done
         self.slots = SlotPool(engine, self.slot_budget.slots, options.ctx, disk)
         self.scheduler = Scheduler(engine, model.tokenizer, self.slots, options.max_queue, options.max_batch,
-                                   options.fault_marker)
+                                   options.fault_marker, options.prefill_chunk)
 
     def start(self) -> None:
         self.scheduler.start()
@@ -79,17 +83,38 @@ class Runtime:
     def stop(self) -> None:
         self.scheduler.stop()
 
+    @property
+    def draining(self) -> bool:
+        """Shutdown has begun: new requests are refused with 503."""
+        return self.scheduler.stopping
+
     def count_prompt_tokens(self, request: ChatRequest) -> int:
         return len(self.prompts.build(request))
 
-    def start_chat(self, request: ChatRequest) -> GenerationJob:
+    def start_chat(self, request: ChatRequest, observer: Observer | None = None) -> RequestHandle:
         prompt = self.prompts.render(request)
         plan = self.replies.plan(request, prompt)  # compiles grammars: a bad one is a 400 here
         return self.start_job(self.prompts.encode(prompt), request.sampling, request.max_tokens,
-                              request.stop, request.session_id, plan)
+                              request.stop, request.session_id, plan, observer)
+
+    def start_completion(self, prompts: list[list[int]], sampling: SamplingParams, max_tokens: int | None,
+                         stop: list[str], output_format: OutputFormat | None, session_id: str | None = None,
+                         observer: Observer | None = None) -> list[RequestHandle]:
+        """Raw prompts (no template), one job each, sharing one grammar plan; all or none are queued."""
+        plan = self.replies.plan_completion(output_format)
+        handles: list[RequestHandle] = []
+        try:
+            for prompt in prompts:
+                handles.append(self.start_job(prompt, sampling, max_tokens, stop, session_id, plan, observer))
+        except RequestError:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return handles
 
     def start_job(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int | None,
-                  stop: list[str], session_id: str | None = None, plan: ReplyPlan | None = None) -> GenerationJob:
+                  stop: list[str], session_id: str | None = None, plan: ReplyPlan | None = None,
+                  observer: Observer | None = None) -> RequestHandle:
         """Validate the prompt against the context and queue it; raises RequestError."""
         n = len(prompt_ids)
         if n == 0:
@@ -105,7 +130,15 @@ class Runtime:
                             stop, session_id, reply=plan or ReplyPlan())
         try:
             self.scheduler.submit(job)
+        except ShuttingDown:
+            raise shutting_down() from None
         except QueueFull as exc:
             raise RequestError(f"server busy: {exc}; retry shortly", 429, None, "queue_full",
                                {"Retry-After": "1"}) from None
-        return job
+        return RequestHandle(job, self.scheduler.cancel, observer)
+
+
+def shutting_down() -> RequestError:
+    """A request that arrives while the server drains: 503, and the connection is not reused."""
+    return RequestError("the server is shutting down; retry against another instance or after it restarts",
+                        503, None, "server_shutting_down", {"Connection": "close"})

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from lmserve.engine_mlx import MLXEngine
 
 BANDWIDTH_BYTES = 512 << 20  # 16x the largest L3 cache on the machines we bench on
-KQUANT_FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tiny-llama" / "tiny-llama-Q4_K_M.gguf"
+KQUANT_FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "data" / "fixtures" / "tiny-llama" / "tiny-llama-Q4_K_M.gguf"
 READY_CHILD = """
 import sys
 from lmserve.cli import seconds_since_process_start

@@ -1,4 +1,4 @@
-"""Shared test fixtures: paths to ../shared data and the embedded SmolLM2 model."""
+"""Shared test fixtures: paths to the test data in tests/data and the embedded SmolLM2 model."""
 
 from __future__ import annotations
 
@@ -17,9 +17,12 @@ import pytest  # noqa: E402
 from lmserve.model.default_model import default_model_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
-GOLDENS = SHARED / "goldens" / "smollm2"
-TINY_LLAMA = SHARED / "fixtures" / "tiny-llama"
+DATA = ROOT / "tests" / "data"  # the one place test data lives; see tests/data/README.md
+GOLDENS = DATA / "goldens" / "smollm2"
+TINY_LLAMA = DATA / "fixtures" / "tiny-llama"
+TEMPLATES = DATA / "templates"
+CLIENTS = DATA / "clients"
+SPECS = DATA / "specs"
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -49,3 +52,22 @@ def smollm2_server():
     with start_server("--engine", "cpu", "--batch", "4") as server:
         yield server
 
+
+
+@pytest.fixture(scope="session")
+def qwen3(tmp_path_factory: pytest.TempPathFactory):
+    """The tokenizer of a tiny Qwen3-shaped fixture (tests/fixture_models.py)."""
+    from lmserve.model.gguf_file import GGUFFile
+    from lmserve.model.tokenizer import Tokenizer
+    from tests.fixture_models import write_model
+
+    return Tokenizer.from_gguf(GGUFFile(write_model(tmp_path_factory.mktemp("q3") / "q3.gguf", "qwen3")))
+
+
+@pytest.fixture(scope="session")
+def planner(qwen3):
+    """A reply planner over that tokenizer and the real Qwen3 chat template."""
+    from lmserve.engine.planner import ReplyPlanner
+    from lmserve.model.chat_template import ChatTemplate
+
+    return ReplyPlanner(qwen3, ChatTemplate((TEMPLATES / "qwen3.jinja").read_text()))

@@ -5,7 +5,7 @@ architectures (Qwen2's QKV biases, Qwen3's per-head q/k RMSNorm and a head size 
 hidden size) and carry a small byte-level BPE tokenizer with Qwen's special tokens, so engine,
 tokenizer and template tests can run without downloading a model.
 
-Run as a script to write the files: `python tests/fixture_models.py OUT_DIR`.
+Run as a module from the repository root to write the files: `python -m tests.fixture_models OUT_DIR`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 from gguf import MODEL_TENSOR, TENSOR_NAMES, GGUFWriter, LlamaFileType, TokenType
 
-QWEN3_TEMPLATE = Path(__file__).resolve().parents[2] / "shared" / "templates" / "qwen3.jinja"
+from tests.conftest import TEMPLATES
+
+QWEN3_TEMPLATE = TEMPLATES / "qwen3.jinja"
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -1,4 +1,4 @@
-"""Validate bodies and stream frames against OpenAI's own OpenAPI spec (../shared/specs).
+"""Validate bodies and stream frames against OpenAI's own OpenAPI spec (tests/data/specs).
 
 The spec under-declares nullability in places where OpenAI's servers (and the spec's own
 examples) send null; each such place is patched here, once, with the reason next to it.
@@ -14,7 +14,7 @@ import jsonschema
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-from tests.conftest import SHARED
+from tests.conftest import SPECS
 
 SPEC_URI = "https://spec.openai.local/openapi.json"
 
@@ -25,7 +25,7 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 
 @cache
 def _registry() -> Registry:
-    spec = json.loads((SHARED / "specs" / "openai-openapi.json").read_text())
+    spec = json.loads((SPECS / "openai-openapi.json").read_text())
     schemas = spec["components"]["schemas"]
     # Response.usage is a plain $ref to ResponseUsage, yet response.created / in_progress / failed
     # carry "usage": null (the spec's own examples for those events show it).

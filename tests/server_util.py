@@ -66,3 +66,15 @@ def start_server(*args: str, env: dict[str, str] | None = None, timeout: float =
                 proc.kill()
                 proc.wait()
         os.unlink(log.name)
+
+
+def health(server: Server) -> dict:
+    return httpx.get(server.base_url + "/health", timeout=30).json()
+
+
+def wait_for(predicate, timeout: float = 90.0) -> None:
+    """Poll until `predicate()` holds; the tests count what the server did instead of timing it."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)

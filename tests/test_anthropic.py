@@ -8,11 +8,10 @@ import anthropic
 import httpx
 import pytest
 
-from tests.conftest import SHARED
+from tests.conftest import CLIENTS
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0}  # the anthropic SDK 2.x has no sampling parameters; the API still takes them
-CLIENTS = SHARED / "clients"
 
 
 @pytest.fixture(scope="module")

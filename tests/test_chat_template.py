@@ -19,10 +19,10 @@ from lmserve.http.response_store import ResponseStore
 from lmserve.model.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
 from lmserve.model.tokenizer import Tokenizer
+from tests.conftest import TEMPLATES, TINY_LLAMA
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-QWEN3 = (SHARED / "templates" / "qwen3.jinja").read_text()
-TINY_LLAMA_F32 = SHARED / "fixtures" / "tiny-llama" / "tiny-llama-F32.gguf"
+QWEN3 = (TEMPLATES / "qwen3.jinja").read_text()
+TINY_LLAMA_F32 = TINY_LLAMA / "tiny-llama-F32.gguf"
 SPECIAL = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}
 
 

@@ -18,14 +18,14 @@ from lmserve.core.events import Event, Failed, TextDelta
 from lmserve.core.types import Message, ToolCall
 from lmserve.http.openai_responses import ResponseRenderer, parse_input, parse_responses
 from lmserve.http.response_store import ResponseStore
-from tests.conftest import SHARED
+from tests.conftest import CLIENTS
 from tests.openai_spec import validate
 from tests.server_util import start_server
 
 CAPITAL = "What is the capital of France?"
 PARIS = "The capital of France is Paris."
 VOCAB = 49152
-CODEX = json.loads((SHARED / "clients" / "codex-cli-0.171.0-responses.json").read_text())
+CODEX = json.loads((CLIENTS / "codex-cli-0.171.0-responses.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +34,17 @@ def client(smollm2_server) -> openai.OpenAI:
 
 
 def stream_events(url: str, body: dict, headers: dict | None = None) -> list[dict]:
-    """A raw SSE stream: every frame spec-valid, named by its type, numbered 0, 1, 2, ..."""
+    """A raw SSE stream: every frame spec-valid, named by its type, numbered 0, 1, 2, ...
+    (keep-alive comments aside)."""
     with httpx.stream("POST", url, content=json.dumps(body), headers=headers or {}, timeout=600) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         frames = [f for f in r.read().decode().split("\n\n") if f.strip()]
     events = []
     for frame in frames:
+        if frame.startswith(":"):  # a keep-alive comment, written while a long prefill runs
+            assert frame == ": keep-alive"
+            continue
         head, data = frame.split("\n")
         event = json.loads(data.removeprefix("data: "))
         assert head == f"event: {event['type']}"

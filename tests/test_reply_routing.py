@@ -15,10 +15,7 @@ from lmserve.core.types import ChatRequest, Message, OutputFormat, Tool
 from lmserve.engine.grammar import ForcedTokens, GrammarConstraint
 from lmserve.engine.planner import ReplyPlanner
 from lmserve.engine.reply import ReplyDecoder, ReplyPlan
-from lmserve.model.chat_template import ChatTemplate
-from lmserve.model.gguf_file import GGUFFile
 from lmserve.model.tokenizer import Tokenizer
-from tests.fixture_models import QWEN3_TEMPLATE, write_model
 
 WEATHER = Tool("get_weather", "Weather for a city",
                {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, strict=True)
@@ -115,16 +112,6 @@ def test_logprobs_stay_with_answer_text() -> None:
 
 
 # -- constraints on the real fixture tokenizer ----------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    return Tokenizer.from_gguf(GGUFFile(write_model(tmp_path_factory.mktemp("q3") / "q3.gguf", "qwen3")))
-
-
-@pytest.fixture(scope="module")
-def planner(qwen3: Tokenizer) -> ReplyPlanner:
-    return ReplyPlanner(qwen3, ChatTemplate(QWEN3_TEMPLATE.read_text()))
 
 
 def drive(decoder: ReplyDecoder, tokenizer: Tokenizer, text: str, rng: np.random.Generator) -> list[Event]:

@@ -14,22 +14,11 @@ import time
 import httpx
 import pytest
 
-from tests.server_util import start_server
+from tests.server_util import health, start_server, wait_for
 
 # A reply that cannot end early: SmolLM2's end-of-generation ids are banned.
 LONG = {"messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
         "temperature": 0, "max_tokens": 400, "logit_bias": {"0": -100, "2": -100, "4": -100}}
-
-
-def health(server) -> dict:
-    return httpx.get(server.base_url + "/health", timeout=30).json()
-
-
-def wait_for(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
 
 
 def chat_text(server, messages: list[dict], max_tokens: int = 32) -> str:

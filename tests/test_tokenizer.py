@@ -13,8 +13,9 @@ from tokenizers import Regex, pre_tokenizers
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
 from lmserve.model.pretokenizers import PRE_TOKENIZERS, pre_tokenizer
 from lmserve.model.tokenizer import BYTE_LEVEL_CHARS, Tokenizer
+from tests.conftest import TINY_LLAMA
 
-TINY_LLAMA_F32 = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tiny-llama" / "tiny-llama-F32.gguf"
+TINY_LLAMA_F32 = TINY_LLAMA / "tiny-llama-F32.gguf"
 
 
 @pytest.fixture(scope="module")

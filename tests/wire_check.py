@@ -125,10 +125,11 @@ FINISH_REASONS = {
 # -- SSE streams -------------------------------------------------------------------------------
 
 def parse_sse(raw: str) -> list[tuple[str | None, str]]:
-    """(event name, data) per frame; every frame must carry data."""
+    """(event name, data) per frame; every frame must carry data. Keep-alive comments (written
+    while a request waits or prefills) are checked and skipped."""
     frames = []
     for block in raw.split("\n\n"):
-        if not block.strip():
+        if not block.strip() or block == ": keep-alive":
             continue
         event, data = None, []
         for line in block.split("\n"):
@@ -216,6 +217,9 @@ def _messages_stream(frames: list[tuple[str | None, str]]) -> Reply:
     events = [json.loads(data) for _, data in frames]
     for (name, _), event in zip(frames, events, strict=True):
         assert name == event["type"], (name, event["type"])
+    if [e["type"] for e in events] == ["error"]:  # failed before the worker took it (e.g. shutdown)
+        reply.error = check_error("/v1/messages", 500, events[0])
+        return reply
     assert events[0]["type"] == "message_start", events[0]
     start_usage = events[0]["message"]["usage"]
     if events[-1]["type"] == "error":

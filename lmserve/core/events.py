@@ -70,6 +70,21 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class Started:
+    """The worker took the request: its prompt size and how much of it a KV slot already held.
+    Always the first event; a stream's opening frames (Anthropic's message_start) are built from it."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class KeepAlive:
+    """Nothing happened for a while (queued, or a long prefill): streams write a keep-alive frame.
+    Made on the connection side by the request handle, never by the worker."""
+
+
+@dataclass(frozen=True)
 class Failed:
     """The request failed inside the worker; status is what an HTTP answer would carry."""
 
@@ -78,4 +93,7 @@ class Failed:
     error_type: str = "server_error"
 
 
-Event = TextDelta | ReasoningDelta | ToolCallEvent | Finished | Failed
+CLIENT_CLOSED = "client_closed"  # Failed.error_type of a request its client abandoned
+
+
+Event = Started | TextDelta | ReasoningDelta | ToolCallEvent | Finished | Failed | KeepAlive

@@ -1,6 +1,6 @@
 """Final reply text -> answer, reasoning and tool-call events.
 
-Runs after TokenStream (which has already applied stop strings and UTF-8 safety). A leading
+Runs after TokenStream (UTF-8 safety) and before StopFilter (stop strings, on answer text only). A leading
 `<think>...</think>` becomes ReasoningDelta; with tools offered, each `<tool_call>...</tool_call>`
 (or the model family's own markers) becomes ToolCallEvent once it closes. Text that could still be
 the start of a marker is held back, as TokenStream holds back stop strings, so a marker split

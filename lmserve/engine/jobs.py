@@ -2,7 +2,8 @@
 
 The worker thread never touches a socket: it puts events into the job's channel, an unbounded
 asyncio queue on the connection's event loop, so a client that stops reading stalls only itself.
-The buffer is bounded all the same, by the job's max_tokens.
+The buffer is bounded all the same, by the job's max_tokens. The connection side sees a job only
+through its RequestHandle (engine/handle.py).
 """
 
 from __future__ import annotations
@@ -10,10 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lmserve.core.events import Event, Failed, Finished
+from lmserve.core.events import Event
 from lmserve.core.types import SamplingParams
 from lmserve.engine.reply import ReplyPlan
 
@@ -33,8 +33,12 @@ class EventChannel:
     async def get(self) -> Event:
         return await self._queue.get()
 
+    def put_local(self, event: Event) -> None:
+        """Called on the event loop itself (the connection side ending a job it abandons)."""
+        self._queue.put_nowait(event)
 
-@dataclass
+
+@dataclass(eq=False)  # jobs are compared by identity (the queue removes exactly this one)
 class GenerationJob:
     """Everything the worker needs to run one request, already tokenized and validated."""
 
@@ -46,25 +50,11 @@ class GenerationJob:
     session_id: str | None = None
     reply: ReplyPlan = field(default_factory=ReplyPlan)  # reasoning, tool calls, grammar
     cancelled: threading.Event = field(default_factory=threading.Event)
-    cached_tokens: int = 0  # prompt tokens found in a KV slot; set by the worker before any event
-    observer: Callable[[Event], None] | None = None  # sees each event on the connection side
-    done: bool = False
 
     def cancel(self) -> None:
-        """Ask the worker to drop this job (client gone); safe from any thread, idempotent."""
+        """Mark the job abandoned (the worker drops it); safe from any thread, idempotent."""
         self.cancelled.set()
 
     def emit(self, event: Event) -> None:
-        if isinstance(event, Finished | Failed):
-            self.done = True
+        """Called from the worker thread."""
         self.channel.put(event)
-
-    async def events(self):
-        """Yield events until the terminal one (Finished or Failed)."""
-        while True:
-            event = await self.channel.get()
-            if self.observer is not None:
-                self.observer(event)
-            yield event
-            if isinstance(event, Finished | Failed):
-                return

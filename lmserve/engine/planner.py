@@ -14,7 +14,7 @@ from lmserve.core import tool_format
 from lmserve.core.errors import RequestError
 from lmserve.core.reply_router import THINK_CLOSE, THINK_OPEN, CallRouting
 from lmserve.core.tool_format import ToolFormat
-from lmserve.core.types import ChatRequest, Tool
+from lmserve.core.types import ChatRequest, OutputFormat, Tool
 from lmserve.engine.grammar import CompiledGrammar, GrammarError, Grammars
 from lmserve.engine.grammar_sources import call_grammar, output_grammar
 from lmserve.engine.reply import ReplyPlan
@@ -79,6 +79,15 @@ class ReplyPlanner:
         elif fmt is not None and fmt.hermes and plan.grammar is None:
             plan.call_grammar = self._call_grammar(fmt, tools)
         plan.in_think = self.think and plan.grammar is None and prompt.rstrip().endswith(THINK_OPEN)
+        return plan
+
+    def plan_completion(self, output_format: OutputFormat | None) -> ReplyPlan:
+        """The plan for a raw (legacy /v1/completions) prompt: no chat template, so no reasoning
+        channel and no tools; only the output format's grammar, if any, governs the reply.
+        Raises RequestError (400, naming `output_format.param`) for a grammar that does not compile."""
+        plan = ReplyPlan()
+        if output_format is not None:
+            plan.grammar = self._compile(lambda: output_grammar(output_format), output_format.param)
         return plan
 
     def _call_grammar(self, fmt: ToolFormat | None, tools: list[Tool]) -> CompiledGrammar:

@@ -3,7 +3,9 @@
 Before sampling, the active constraint (if any) masks the logits: the request's grammar for the
 whole reply, the call grammar once the model opens a tool call under tool_choice auto, or the
 closing think tag once thinking has used its budget. After sampling, the token goes through
-TokenStream (UTF-8, stop strings) and the ReplyRouter (reasoning, tool calls, answer text).
+TokenStream (UTF-8), the ReplyRouter (reasoning, tool calls, answer text) and a StopFilter on the
+answer text: stop strings end the reply only where they appear in the answer, never inside the
+think block or a tool call's body. Once a stop string appears every later event is dropped.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lmserve.core.events import Event, TokenLogprob, ToolCallEvent
+from lmserve.core.events import Event, TextDelta, TokenLogprob, ToolCallEvent
 from lmserve.core.reply_router import CallRouting, ReplyRouter
-from lmserve.core.token_stream import TokenStream
+from lmserve.core.token_stream import StopFilter, TokenStream
 from lmserve.engine.grammar import CompiledGrammar, Constraint, ForcedTokens
 
 THINK_SHARE = 0.75  # thinking may use at most this share of max_tokens
@@ -41,8 +43,9 @@ class ReplyDecoder:
                  max_tokens: int) -> None:
         self.plan = plan
         self._token_bytes = token_bytes
-        self.stream = TokenStream(token_bytes, stop)
+        self.stream = TokenStream(token_bytes)  # UTF-8 only: stop strings apply to the answer
         self.router = ReplyRouter(plan.think, plan.calls, plan.in_think)
+        self.stops = StopFilter(stop)
         self.constraint: Constraint | None = plan.grammar.constraint() if plan.grammar else None
         self._governing = self.constraint
         budget = int(max_tokens * THINK_SHARE)
@@ -60,11 +63,11 @@ class ReplyDecoder:
 
     @property
     def done(self) -> bool:
-        return self.complete or self.stream.stopped
+        return self.complete or self.stops.stopped
 
     @property
     def stop_sequence(self) -> str | None:
-        return self.stream.stop_sequence
+        return self.stops.stop_sequence
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         return self.constraint.mask(logits) if self.constraint is not None else logits
@@ -76,7 +79,7 @@ class ReplyDecoder:
         if self.router.thinking:
             self.reasoning_tokens += 1
         delta = self.stream.push(token, logprob)
-        events = self._count(self.router.feed(delta)) if delta is not None else []
+        events = self._answer(self.router.feed(delta)) if delta is not None else []
         self._next_constraint(token)
         return events
 
@@ -84,11 +87,26 @@ class ReplyDecoder:
         """The end of the reply: release everything held back."""
         tail = self.stream.flush()
         events = self.router.feed(tail) if tail is not None else []
-        return self._count(events + self.router.flush())
+        return self._answer(events + self.router.flush(), final=True)
 
-    def _count(self, events: list[Event]) -> list[Event]:
-        self.tool_calls += sum(isinstance(e, ToolCallEvent) for e in events)
-        return events
+    def _answer(self, events: list[Event], final: bool = False) -> list[Event]:
+        """Stop strings over the routed events' answer text. Answer text held back (it may still
+        become a stop string) is released before any other event, keeping the order: a call or
+        reasoning between two pieces of text means they cannot form one stop string."""
+        out: list[Event] = []
+        for event in events:
+            text = isinstance(event, TextDelta)
+            released = self.stops.feed(event) if text else self.stops.flush()
+            if released is not None:
+                out.append(released)
+            if self.stops.stopped:
+                break  # what follows a stop string is never sent
+            if not text:
+                out.append(event)
+        if final and (tail := self.stops.flush()) is not None:
+            out.append(tail)
+        self.tool_calls += sum(isinstance(e, ToolCallEvent) for e in out)
+        return out
 
     def _next_constraint(self, token: int) -> None:
         if self.constraint is not None:

@@ -1,8 +1,11 @@
 """One inference worker that owns the engine, fed by a bounded queue, with continuous batching.
 
-Connection handlers submit jobs; the worker thread admits them (prefill) up to `max_batch`
-active sequences and decodes all active sequences together, one engine step per token.
-A job arriving while a batch runs is prefilled between two steps and joins the next one.
+Connection handlers submit jobs; the worker thread admits them up to `max_batch` sequences and
+decodes all running sequences together, one engine step per token. A job arriving while a batch
+runs is prefilled in chunks of `prefill_chunk` tokens, one chunk between two decode steps, so a
+long prompt never stalls the running streams for more than one chunk; it joins the batch once
+its prompt is in the cache. A cancelled job (client gone) is dropped from the queue at once and
+from the batch at the next step or chunk, giving back its slot.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lmserve.core.events import Failed, Finished, Usage
+from lmserve.core.events import Failed, Finished, Started, Usage
 from lmserve.engine.jobs import GenerationJob
 from lmserve.engine.kv_slots import Slot, SlotPool
 from lmserve.engine.protocol import Engine
@@ -26,8 +29,15 @@ from lmserve.model.tokenizer import Tokenizer
 log = logging.getLogger("lmserve.scheduler")
 
 
+PREFILL_CHUNK = 256  # prompt tokens prefilled between two decode steps (0: the whole prompt at once)
+
+
 class QueueFull(Exception):
     """The bounded queue has no free place; the caller answers 429."""
+
+
+class ShuttingDown(Exception):
+    """The server is draining; the caller answers 503."""
 
 
 class InjectedFault(RuntimeError):
@@ -43,6 +53,7 @@ class _Sequence:
     sampler: Sampler
     reply: ReplyDecoder
     cached_tokens: int = 0
+    fed: int = 0  # prompt tokens in the cache so far (the rest is still to prefill)
     generated: list[int] = field(default_factory=list)
 
     @property
@@ -65,6 +76,7 @@ class Scheduler:
         max_queue: int = 16,
         max_batch: int = 1,
         fault_marker: str | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         self.engine = engine
         self.fault_marker = fault_marker  # test hook, None (inert) unless LMSERVE_TEST_FAULTS is set
@@ -73,8 +85,10 @@ class Scheduler:
         self.ctx = slots.ctx
         self.max_queue = max_queue
         self.max_batch = max(1, min(max_batch, len(slots.slots)))
+        self.prefill_chunk = max(0, prefill_chunk)
         self.tokens_generated = 0  # every token the engine produced, for tests and metrics
         self._queue: deque[GenerationJob] = deque()
+        self._prefilling: deque[_Sequence] = deque()  # admitted, prompt partly in the cache
         self._active: list[_Sequence] = []
         self._cv = threading.Condition()
         self._stopping = False
@@ -98,39 +112,54 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
     def submit(self, job: GenerationJob) -> None:
         with self._cv:
             if self._stopping:
-                raise QueueFull("server is shutting down")
-            if len(self._queue) >= self.max_queue:  # cancelled jobs give their place back first
-                self._queue = deque(j for j in self._queue if not j.cancelled.is_set())
+                raise ShuttingDown("the server is shutting down")
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
             self._queue.append(job)
             self._cv.notify()
 
+    def cancel(self, job: GenerationJob) -> None:
+        """Drop a job whose client left: out of the queue now, out of the batch (slot given back)
+        at the worker's next step. Safe from any thread; idempotent."""
+        with self._cv:
+            job.cancel()
+            if job in self._queue:
+                self._queue.remove(job)
+            self._cv.notify()
+
     @property
     def queue_depth(self) -> int:
-        return sum(not j.cancelled.is_set() for j in self._queue)
+        return len(self._queue)
 
     @property
     def active_sequences(self) -> int:
-        return len(self._active)
+        """Sequences holding a batch row: being prefilled or decoded."""
+        return len(self._active) + len(self._prefilling)
 
     # -- worker side -------------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not self._queue and not self._active:
+                while not self._stopping and not self._queue and not self._prefilling and not self._active:
                     self._cv.wait()
                 if self._stopping:
                     break
                 admit = []
-                while self._queue and len(self._active) + len(admit) < self.max_batch:
+                while self._queue and self.active_sequences + len(admit) < self.max_batch:
                     admit.append(self._queue.popleft())
             for job in admit:
                 self._admit(job)
+            self._drop_cancelled()
+            if self._prefilling:
+                self._prefill_chunk()
             if self._active:
                 self._step()
         self._shutdown()
@@ -139,42 +168,63 @@ class Scheduler:
         with self._cv:
             pending = list(self._queue)
             self._queue.clear()
-        for seq in self._active:
+        for seq in [*self._prefilling, *self._active]:
             self._retire(seq)
             pending.append(seq.job)
+        self._prefilling.clear()
         self._active = []
         for job in pending:
             job.emit(Failed("the server is shutting down", 503, "overloaded_error"))
         self.slots.spill_all()
 
     def _admit(self, job: GenerationJob) -> None:
+        """Take a KV slot (adopting what it already holds of the prompt) and queue the rest of
+        the prompt for prefill; the job's first event says how much was cached."""
         if job.cancelled.is_set():
             return
-        adoption = None
         try:
             adoption = self.slots.acquire(job.prompt_ids, job.session_id)
             if adoption is None:  # cannot happen while slots >= batch; fail loudly if it does
                 raise RuntimeError("no free KV slot")
-            job.cached_tokens = adoption.reused
-            seq = _Sequence(job, adoption.slot, Sampler(job.sampling, job.prompt_ids),
-                            ReplyDecoder(job.reply, self.tokenizer.token_bytes, job.stop, job.max_tokens),
-                            adoption.reused)
-            logits = self.engine.prefill(seq.cache, job.prompt_ids[adoption.reused:])
+        except Exception as exc:  # one request's failure never takes the worker down
+            log.exception("KV slot adoption failed")
+            job.emit(Failed(f"generation failed: {exc}"))
+            return
+        seq = _Sequence(job, adoption.slot, Sampler(job.sampling, job.prompt_ids),
+                        ReplyDecoder(job.reply, self.tokenizer.token_bytes, job.stop, job.max_tokens),
+                        adoption.reused, fed=adoption.reused)
+        job.emit(Started(len(job.prompt_ids), adoption.reused))
+        self._prefilling.append(seq)
+
+    def _drop_cancelled(self) -> None:
+        """Sequences whose client left give back their batch row and slot."""
+        for seq in [*self._prefilling, *self._active]:
+            if seq.job.cancelled.is_set():
+                self._retire(seq)
+        self._prefilling = deque(s for s in self._prefilling if not s.job.cancelled.is_set())
+        self._active = [s for s in self._active if not s.job.cancelled.is_set()]
+
+    def _prefill_chunk(self) -> None:
+        """Feed the next chunk of the oldest admitted prompt; the last chunk's logits give the
+        first token, and the sequence joins the decoding batch."""
+        seq = self._prefilling[0]
+        prompt = seq.job.prompt_ids
+        end = len(prompt) if not self.prefill_chunk else min(len(prompt), seq.fed + self.prefill_chunk)
+        try:
+            logits = self.engine.prefill(seq.cache, prompt[seq.fed:end])
+            seq.fed = end
+            if end < len(prompt):
+                return
+            self._prefilling.popleft()
             if not self._advance(seq, logits=logits):
                 self._active.append(seq)
         except Exception as exc:  # one request's failure never takes the worker down
             log.exception("prefill failed")
-            if adoption is not None:
-                self.slots.release(adoption.slot, [])
-            job.emit(Failed(f"generation failed: {exc}"))
+            if self._prefilling and self._prefilling[0] is seq:
+                self._prefilling.popleft()
+            self._fail(seq, exc)
 
     def _step(self) -> None:
-        for seq in self._active:
-            if seq.job.cancelled.is_set():
-                self._retire(seq)
-        self._active = [s for s in self._active if not s.job.cancelled.is_set()]
-        if not self._active:
-            return
         caches = [s.cache for s in self._active]
         tokens = [s.last_token for s in self._active]
         device_greedy = self._device_argmax and not any(s.job.sampling.needs_host_logits or s.reply.needs_logits
@@ -248,4 +298,4 @@ class Scheduler:
 
     def _retire(self, seq: _Sequence) -> None:
         """Give the slot back holding what was fed through it, for the next turn to reuse."""
-        self.slots.release(seq.slot, seq.job.prompt_ids + seq.generated)
+        self.slots.release(seq.slot, seq.job.prompt_ids[:seq.fed] + seq.generated)

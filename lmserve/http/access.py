@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lmserve.core.events import Event, Finished, TextDelta, Usage
+from lmserve.core.events import CLIENT_CLOSED, Event, Failed, Finished, TextDelta, Usage
 from lmserve.http.metrics import Metrics
 
 log = logging.getLogger("lmserve.access")
@@ -46,6 +46,7 @@ class RequestRecord:
     ttft: float | None = None
     last_text: float | None = None
     usage: Usage | None = None
+    outcome: str | None = None  # of the generation: "ok", "error" or "client_closed"
 
     def observe(self, event: Event) -> None:
         now = time.perf_counter()
@@ -58,8 +59,11 @@ class RequestRecord:
             self.last_text = now
         elif isinstance(event, Finished):
             self.usage = event.usage
+            self.outcome = self.outcome or "ok"
             self.metrics.count_tokens(event.usage.prompt_tokens, event.usage.completion_tokens,
                                       event.usage.cached_tokens)
+        elif isinstance(event, Failed):  # a client that left overrides whatever else was seen
+            self.outcome = CLIENT_CLOSED if event.error_type == CLIENT_CLOSED else self.outcome or "error"
 
 
 class AccessLog:
@@ -90,10 +94,13 @@ class AccessLog:
         finally:
             route = route_label(scope.get("path", ""))
             self.metrics.count_request(route, status)
+            if record.outcome == CLIENT_CLOSED:
+                self.metrics.count_client_closed(route)
             usage = record.usage
             level = logging.DEBUG if route == "/health" else logging.INFO  # probes would drown the log
             log.log(level, json.dumps({
                 "request_id": request_id, "method": scope.get("method"), "route": route, "status": status,
+                "outcome": record.outcome,
                 "prompt_tokens": usage.prompt_tokens if usage else None,
                 "completion_tokens": usage.completion_tokens if usage else None,
                 "cached_tokens": usage.cached_tokens if usage else None,

@@ -8,12 +8,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from lmserve.core.errors import invalid
-from lmserve.core.events import Event, Failed, Finished, Usage
+from lmserve.core.events import Event, Failed, Finished, KeepAlive, Started, Usage
 from lmserve.core.types import ChatRequest, Message, OutputFormat, SamplingParams, Tool, ToolCall, ToolChoice
-from lmserve.engine.jobs import GenerationJob
 from lmserve.http import fields
 from lmserve.http.anthropic_blocks import ContentBlocks
-from lmserve.http.common import sse
+from lmserve.http.common import KEEPALIVE_COMMENT, sse
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 UNSUPPORTED_BLOCKS = {"image": "images", "document": "documents", "search_result": "search results"}
@@ -192,10 +191,9 @@ def usage_json(usage: Usage) -> dict[str, Any]:
 class MessageRenderer:
     """One job's events -> an Anthropic message body or its SSE event sequence."""
 
-    def __init__(self, model: str, job: GenerationJob) -> None:
+    def __init__(self, model: str) -> None:
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.model = model
-        self.job = job
 
     def _message(self, content: list[dict[str, Any]], finish: Finished | None, usage: Usage) -> dict[str, Any]:
         return {
@@ -218,12 +216,19 @@ class MessageRenderer:
         return self._message(blocks.content, finish, finish.usage)
 
     async def frames(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
-        # Rendered after the first event, so the worker has already set the cached count.
-        start = self._message([], None, Usage(len(self.job.prompt_ids), 0, self.job.cached_tokens))
-        yield sse({"type": "message_start", "message": start}, "message_start")
+        """message_start as soon as the worker takes the request (it carries the cached count),
+        pings while a long prefill runs (SSE comments before message_start, as no event may
+        precede it), then the content blocks."""
         blocks = ContentBlocks()
+        started = False
         async for event in events:
-            if isinstance(event, Finished):
+            if isinstance(event, Started):
+                start = self._message([], None, Usage(event.prompt_tokens, 0, event.cached_tokens))
+                yield sse({"type": "message_start", "message": start}, "message_start")
+                started = True
+            elif isinstance(event, KeepAlive):
+                yield sse({"type": "ping"}, "ping") if started else KEEPALIVE_COMMENT
+            elif isinstance(event, Finished):
                 for name, payload in blocks.close():
                     yield sse(payload, name)
                 yield sse({"type": "message_delta",

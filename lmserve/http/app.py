@@ -6,7 +6,6 @@ Route handlers only parse, submit and render; each route also answers without th
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +18,19 @@ from lmserve import __version__
 from lmserve.core.errors import RequestError, invalid
 from lmserve.core.events import Failed
 from lmserve.core.types import ChatRequest
-from lmserve.engine.jobs import GenerationJob
+from lmserve.engine.handle import Observer, RequestHandle
 from lmserve.http import fields, openapi
 from lmserve.http.access import RECORD_KEY, AccessLog
 from lmserve.http.anthropic import MessageRenderer, parse_messages
 from lmserve.http.common import (
     ErrorRenderer,
+    MultiRenderer,
+    OneOf,
     Renderer,
     collect,
+    event_stream,
     failure_error,
     json_response,
-    lazy_stream,
     read_json,
 )
 from lmserve.http.errors import anthropic_error, openai_error, renderer_for_path
@@ -63,63 +64,51 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
             "max_model_len": runtime.ctx,
         }
 
-    async def generate(request: Request, chat: ChatRequest, make_renderer: Callable[[GenerationJob], Renderer],
+    keepalive = runtime.options.keepalive
+
+    async def answer(request: Request, handles: list[RequestHandle], stream: bool, renderer: MultiRenderer,
+                     render_error: ErrorRenderer) -> Response:
+        """Stream SSE frames or answer one JSON body: the same for every dialect."""
+        if stream:
+            return event_stream(renderer.frames([h.events(keepalive) for h in handles]), handles)
+        per_handle = await collect(handles, request)
+        for events in per_handle:
+            if isinstance(events[-1], Failed):
+                return render_error(failure_error(events[-1]))
+        return json_response(renderer.body(per_handle))
+
+    async def generate(request: Request, chat: ChatRequest, renderer: Renderer,
                        render_error: ErrorRenderer) -> Response:
-        """Submit, then stream SSE frames or answer one JSON body: the same for every dialect."""
         chat.session_id = chat.session_id or session_hint(request)
-        job = runtime.start_chat(chat)
-        record = request.scope.get(RECORD_KEY)
-        if record is not None:
-            job.observer = record.observe
-        renderer = make_renderer(job)
-        if chat.stream:
-            return await lazy_stream(job, renderer.frames, render_error)
-        events = await collect(job, request)
-        if isinstance(events[-1], Failed):
-            return render_error(failure_error(events[-1]))
-        return json_response(renderer.body(events))
+        handle = runtime.start_chat(chat, observer_of(request))
+        return await answer(request, [handle], chat.stream, OneOf(renderer), render_error)
 
     @post(both("/v1/chat/completions"), status_code=200, operation_class=openapi.json_body(openapi.CHAT))
     async def chat_completions(request: Request) -> Response:
         chat, options = parse_chat(await read_json(request), model.tokenizer.vocab_size)
-        return await generate(request, chat, lambda job: ChatRenderer(model.model_id, chat.sampling.logprobs,
-                                                                     options), openai_error)
+        return await generate(request, chat, ChatRenderer(model.model_id, chat.sampling.logprobs, options),
+                              openai_error)
 
     responses_store = ResponseStore()
 
     @post(both("/v1/responses"), status_code=200, operation_class=openapi.json_body(openapi.RESPONSES))
     async def responses(request: Request) -> Response:
         call = parse_responses(await read_json(request), model.tokenizer.vocab_size, responses_store)
-        return await generate(request, call.chat,
-                              lambda job: ResponseRenderer(model.model_id, call, responses_store), openai_error)
+        return await generate(request, call.chat, ResponseRenderer(model.model_id, call, responses_store),
+                              openai_error)
 
     @post(both("/v1/messages"), status_code=200, operation_class=openapi.json_body(openapi.MESSAGES))
     async def messages(request: Request) -> Response:
         chat = parse_messages(await read_json(request), model.tokenizer.vocab_size)
-        return await generate(request, chat, lambda job: MessageRenderer(model.model_id, job), anthropic_error)
+        return await generate(request, chat, MessageRenderer(model.model_id), anthropic_error)
 
     @post(both("/v1/completions"), status_code=200, operation_class=openapi.json_body(openapi.COMPLETIONS))
     async def completions(request: Request) -> Response:
         call = parse_completion(await read_json(request), model.tokenizer)
-        jobs: list[GenerationJob] = []
-        try:
-            for prompt in call.prompts:
-                jobs.append(runtime.start_job(prompt, call.sampling, call.max_tokens, call.stop,
-                                              session_hint(request)))
-        except RequestError:
-            for job in jobs:
-                job.cancel()
-            raise
+        handles = runtime.start_completion(call.prompts, call.sampling, call.max_tokens, call.stop,
+                                           call.output_format, session_hint(request), observer_of(request))
         renderer = CompletionRenderer(model.model_id, call.sampling.logprobs, call.include_usage)
-        if call.stream:
-            first, rest = jobs[0], jobs[1:]
-            return await lazy_stream(first, lambda events: renderer.frames([events, *(j.events() for j in rest)]),
-                                     openai_error, rest)
-        per_prompt = [await collect(job, request) for job in jobs]
-        for events in per_prompt:
-            if isinstance(events[-1], Failed):
-                return openai_error(failure_error(events[-1]))
-        return json_response(renderer.body(per_prompt))
+        return await answer(request, handles, call.stream, renderer, openai_error)
 
     @post(both("/v1/messages/count_tokens"), status_code=200,
           operation_class=openapi.json_body(openapi.COUNT_TOKENS))
@@ -220,6 +209,12 @@ def server_app(runtime: Runtime, guard: GuardOptions, cors_origins: list[str] | 
         "lmserve_kv_bytes": ("Bytes held by resident KV slots.", lambda: slots.stats()["kv_bytes"]),
     })
     return AccessLog(Guard(create_app(runtime, metrics, cors_origins), guard), metrics)
+
+
+def observer_of(request: Request) -> Observer | None:
+    """The access-log record of this request watches its events (timings, tokens, outcome)."""
+    record = request.scope.get(RECORD_KEY)
+    return record.observe if record is not None else None
 
 
 def session_hint(request: Request) -> str | None:

@@ -8,11 +8,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 from litestar import Request, Response
+from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from lmserve.core.errors import RequestError
 from lmserve.core.events import Event, Failed
-from lmserve.engine.jobs import GenerationJob
+from lmserve.engine.handle import RequestHandle
 
 ErrorRenderer = Callable[[RequestError], Response]
 MAX_DEPTH = 64  # JSON nesting a request may use (tool schemas nest, but never this far)
@@ -24,6 +25,29 @@ class Renderer(Protocol):
     def frames(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]: ...
 
     def body(self, events: list[Event]) -> dict[str, Any]: ...
+
+
+class MultiRenderer(Protocol):
+    """The same for several requests answered together (/v1/completions with several prompts)."""
+
+    def frames(self, per_request: list[AsyncIterator[Event]]) -> AsyncIterator[bytes]: ...
+
+    def body(self, per_request: list[list[Event]]) -> dict[str, Any]: ...
+
+
+class OneOf:
+    """A single-request Renderer seen as a MultiRenderer of one."""
+
+    def __init__(self, renderer: Renderer) -> None:
+        self.renderer = renderer
+
+    def frames(self, per_request: list[AsyncIterator[Event]]) -> AsyncIterator[bytes]:
+        (events,) = per_request
+        return self.renderer.frames(events)
+
+    def body(self, per_request: list[list[Event]]) -> dict[str, Any]:
+        (events,) = per_request
+        return self.renderer.body(events)
 
 
 def dumps(payload: Any) -> bytes:
@@ -108,61 +132,43 @@ def failure_error(failure: Failed) -> RequestError:
     return RequestError(failure.message, failure.status)
 
 
-async def lazy_stream(
-    job: GenerationJob,
-    frames: Callable[[AsyncIterator[Event]], AsyncIterator[bytes]],
-    render_error: ErrorRenderer,
-    siblings: Sequence[GenerationJob] = (),
-) -> Response:
-    """Start the SSE response only once the first event exists, so that a request failing
-    before its first token gets a plain JSON error with its status instead of a 200 stream.
-    `siblings` (further prompts of the same request) are cancelled with it."""
-    events = job.events()
-    try:
-        first = await anext(events)
-    except BaseException:
-        cancel_all(job, siblings)
-        raise
-    if isinstance(first, Failed):
-        cancel_all(job, siblings)
-        return render_error(failure_error(first))
+KEEPALIVE_COMMENT = b": keep-alive\n\n"  # an SSE comment: every client's parser skips it
 
-    async def replay() -> AsyncIterator[Event]:
-        yield first
-        async for event in events:
-            yield event
+
+def event_stream(frames: AsyncIterator[bytes], handles: Sequence[RequestHandle]) -> Stream:
+    """An admitted streaming request: the response head goes out at once, then the dialect's
+    frames. However the stream ends (done, client gone, server stopping) the requests are let go."""
+
+    def let_go() -> None:
+        for handle in handles:
+            handle.cancel()  # a no-op for a request that already ended
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            async for frame in frames(replay()):
+            async for frame in frames:
                 yield frame
         finally:
-            cancel_all(job, siblings)  # client gone or stream over: either way the worker may drop it
+            let_go()
 
-    return Stream(body(), media_type="text/event-stream",
+    # The background task runs as soon as the response is over, also when a disconnect cancelled
+    # the stream while the generator sat at a `yield` (its `finally` would wait for finalization).
+    return Stream(body(), media_type="text/event-stream", background=BackgroundTask(let_go),
                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def cancel_all(job: GenerationJob, siblings: Sequence[GenerationJob] = ()) -> None:
-    for j in (job, *siblings):
-        j.cancel()
-
-
-async def collect(job: GenerationJob, request: Request) -> list[Event]:
-    """All events of a non-streaming job. A client that disconnects meanwhile cancels the job,
-    so the worker stops generating for nobody."""
+async def collect(handles: Sequence[RequestHandle], request: Request) -> list[list[Event]]:
+    """All events of non-streaming requests, one list per handle. A client that disconnects
+    meanwhile cancels them all: each list then ends in a `client_closed` failure at once, so the
+    handler returns (and its connection place is given back) without waiting for the worker."""
 
     async def watch_disconnect() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        job.cancel()
+        for handle in handles:
+            handle.cancel()
 
     watcher = asyncio.create_task(watch_disconnect())
-    out: list[Event] = []
     try:
-        async for event in job.events():
-            out.append(event)
+        return [[event async for event in handle.events()] for handle in handles]
     finally:
         watcher.cancel()
-        job.cancel()
-    return out

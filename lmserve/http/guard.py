@@ -1,7 +1,10 @@
-"""ASGI middleware in front of the app: connection cap, body cap, Host guard and API key.
+"""ASGI middleware in front of the app: connection cap, drain refusal, body cap, Host guard and
+API key.
 
 It runs before Litestar reads a body, so an oversized request is refused without reading it,
-and every refusal is written in the envelope of the dialect the path belongs to.
+and every refusal is written in the envelope of the dialect the path belongs to. The operator's
+probes (/health, /metrics) are never counted against or refused by the connection cap, so a full
+server can still be looked at.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from lmserve.http.common import dumps
 from lmserve.http.errors import error_payload
 
 Scope = dict[str, Any]
+PROBES = frozenset({"/health", "/metrics"})
 ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
 
 
@@ -41,6 +45,8 @@ class GuardOptions:
     max_body: int = 4 * 1024 * 1024
     check_host: bool = True  # on a loopback bind: refuse foreign Host headers (DNS rebinding)
     allowed_hosts: set[str] = field(default_factory=set)
+    draining: Callable[[], bool] = lambda: False  # shutdown has begun: refuse new work with 503
+    shutdown_error: Callable[[], RequestError] | None = None  # the refusal while draining
 
 
 class Guard:
@@ -57,9 +63,13 @@ class Guard:
             return
         path = scope.get("path", "")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        refusal = self._refusal(path, headers)
+        probe = path in PROBES
+        refusal = self._refusal(path, headers, probe)
         if refusal is not None:
             await _send_error(send, refusal, path)
+            return
+        if probe:
+            await self.app(scope, receive, send)
             return
         self.in_flight += 1
         try:
@@ -67,9 +77,11 @@ class Guard:
         finally:
             self.in_flight -= 1
 
-    def _refusal(self, path: str, headers: dict[str, str]) -> RequestError | None:
+    def _refusal(self, path: str, headers: dict[str, str], probe: bool) -> RequestError | None:
         opts = self.options
-        if self.in_flight >= opts.max_conns:
+        if not probe and opts.draining() and opts.shutdown_error is not None:
+            return opts.shutdown_error()
+        if not probe and self.in_flight >= opts.max_conns:
             return RequestError(f"too many concurrent connections (limit {opts.max_conns}); retry shortly",
                                 503, None, "too_many_connections", {"Retry-After": "1"})
         host = headers.get("host", "")

@@ -43,6 +43,7 @@ class Metrics:
     def __init__(self, gauges: dict[str, tuple[str, Callable[[], float]]]) -> None:
         self._lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = defaultdict(int)
+        self.client_closed: dict[str, int] = defaultdict(int)
         self.tokens = {"prompt": 0, "completion": 0, "cached": 0}
         self.ttft = Histogram()
         self.inter_token = Histogram()
@@ -51,6 +52,10 @@ class Metrics:
     def count_request(self, route: str, status: int) -> None:
         with self._lock:
             self.requests[(route, status)] += 1
+
+    def count_client_closed(self, route: str) -> None:
+        with self._lock:
+            self.client_closed[route] += 1
 
     def count_tokens(self, prompt: int, completion: int, cached: int) -> None:
         with self._lock:
@@ -64,6 +69,10 @@ class Metrics:
                    "# TYPE lmserve_requests_total counter"]
             out += [f'lmserve_requests_total{{route="{_label(route)}",status="{status}"}} {n}'
                     for (route, status), n in sorted(self.requests.items())]
+            out += ["# HELP lmserve_client_closed_total Requests whose client left before the reply was complete.",
+                    "# TYPE lmserve_client_closed_total counter"]
+            out += [f'lmserve_client_closed_total{{route="{_label(route)}"}} {n}'
+                    for route, n in sorted(self.client_closed.items())]
             for kind, help_text in (("prompt", "Prompt tokens received."), ("completion", "Tokens generated."),
                                     ("cached", "Prompt tokens served from the KV cache.")):
                 name = f"lmserve_{kind}_tokens_total"

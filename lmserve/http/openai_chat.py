@@ -14,7 +14,9 @@ from lmserve.core.events import (
     Event,
     Failed,
     Finished,
+    KeepAlive,
     ReasoningDelta,
+    Started,
     TextDelta,
     TokenLogprob,
     ToolCallEvent,
@@ -22,7 +24,7 @@ from lmserve.core.events import (
 )
 from lmserve.core.types import ChatRequest, Message, OutputFormat, SamplingParams, Tool, ToolCall, ToolChoice
 from lmserve.http import fields
-from lmserve.http.common import sse
+from lmserve.http.common import KEEPALIVE_COMMENT, sse
 from lmserve.http.reply_summary import ReplySummary
 
 ROLE_ALIASES = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant",
@@ -32,7 +34,9 @@ UNSUPPORTED_PARTS = {"image_url": "images", "input_image": "images", "input_audi
                      "input_file": "files"}
 # Constraint extensions (llama.cpp's, vLLM's) -> the kind of grammar each carries.
 GRAMMAR_EXTENSIONS = {"grammar": "gbnf", "regex": "regex", "lark": "lark", "json_schema": "json_schema",
-                      "guided_json": "json_schema", "guided_regex": "regex"}
+                      "guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "gbnf"}
+# Names the renderer passes to the chat template itself: chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
 NO_REASONING = ("none", "minimal")
 
 
@@ -182,6 +186,16 @@ def parse_output_format(body: dict[str, Any], fmt: dict[str, Any], param: str, n
     return OutputFormat("json_schema", schema, f"{param}.schema")
 
 
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """`chat_template_kwargs` (llama.cpp's and vLLM's extension, e.g. {"enable_thinking": false}):
+    extra variables for the chat template; an explicit `enable_thinking` wins over the reasoning fields."""
+    kwargs = fields.obj(body, "chat_template_kwargs")
+    for key in RESERVED_TEMPLATE_KWARGS:
+        if key in kwargs:
+            raise invalid(f"chat_template_kwargs.{key}", "is set by the server and cannot be overridden")
+    return dict(kwargs)
+
+
 def reasoning_requested(effort: Any, param: str) -> bool:
     """Any effort but none/minimal turns reasoning on (a no-op for a model without a channel)."""
     if effort is not None and not isinstance(effort, str):
@@ -232,7 +246,8 @@ def parse_chat(body: dict[str, Any], vocab_size: int) -> tuple[ChatRequest, Chat
         raise invalid("stream_options", "is only allowed when `stream` is true")
     request = ChatRequest(messages, sampling, max_tokens, fields.stop_strings(body, "stop"), stream, tools=tools,
                           tool_choice=tool_choice, output_format=output_format,
-                          reasoning=reasoning_requested(body.get("reasoning_effort"), "reasoning_effort"))
+                          reasoning=reasoning_requested(body.get("reasoning_effort"), "reasoning_effort"),
+                          template_kwargs=template_kwargs(body))
     return request, ChatOptions(include_usage=fields.boolean(stream_options, "include_usage"))
 
 
@@ -297,10 +312,15 @@ class ChatRenderer:
         return chunk
 
     async def frames(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
-        yield sse(self._chunk({"role": "assistant", "content": ""}))
+        """The role chunk once the worker takes the request, SSE comments while it waits or
+        prefills, then one chunk per event."""
         calls = 0
         async for event in events:
-            if isinstance(event, TextDelta):
+            if isinstance(event, Started):
+                yield sse(self._chunk({"role": "assistant", "content": ""}))
+            elif isinstance(event, KeepAlive):
+                yield KEEPALIVE_COMMENT
+            elif isinstance(event, TextDelta):
                 yield sse(self._chunk({"content": event.text}, logprobs=event.logprobs))
             elif isinstance(event, ReasoningDelta):
                 yield sse(self._chunk({"reasoning_content": event.text}))

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmserve.core.errors import invalid
-from lmserve.core.events import Event, Failed, Finished, TextDelta, TokenLogprob, Usage
-from lmserve.core.types import SamplingParams
+from lmserve.core.events import Event, Failed, Finished, KeepAlive, TextDelta, TokenLogprob, Usage
+from lmserve.core.types import OutputFormat, SamplingParams
 from lmserve.http import fields
-from lmserve.http.common import sse
-from lmserve.http.openai_chat import parse_sampling, usage_json
+from lmserve.http.common import KEEPALIVE_COMMENT, sse
+from lmserve.http.openai_chat import parse_output_format, parse_sampling, usage_json
 from lmserve.model.tokenizer import Tokenizer
 
 
@@ -25,6 +25,7 @@ class CompletionCall:
     stop: list[str]
     stream: bool
     include_usage: bool
+    output_format: OutputFormat | None = None  # response_format or a grammar extension, as on chat
 
 
 def parse_prompts(value: Any, tokenizer: Tokenizer) -> list[list[int]]:
@@ -54,13 +55,15 @@ def parse_completion(body: dict[str, Any], tokenizer: Tokenizer) -> CompletionCa
         raise invalid("suffix", "insertion (suffix) is not supported")
     if fields.integer(body, "n", 1, 1) != 1 or fields.integer(body, "best_of", 1, 1) != 1:
         raise invalid("n", "only n=1 (and best_of=1) is supported")
+    output_format = parse_output_format(body, fields.obj(body, "response_format"), "response_format", nested=True)
     sampling = parse_sampling(body, tokenizer.vocab_size)
     top = fields.integer(body, "logprobs", None, 0, 20)
     sampling.logprobs, sampling.top_logprobs = top is not None, top or 0
     stream = fields.boolean(body, "stream")
     options = fields.obj(body, "stream_options")
     return CompletionCall(prompts, sampling, fields.integer(body, "max_tokens", 16, 1),
-                          fields.stop_strings(body, "stop"), stream, fields.boolean(options, "include_usage"))
+                          fields.stop_strings(body, "stop"), stream, fields.boolean(options, "include_usage"),
+                          output_format)
 
 
 def legacy_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -117,6 +120,8 @@ class CompletionRenderer:
                     for i, n in enumerate((event.usage.prompt_tokens, event.usage.completion_tokens,
                                            event.usage.cached_tokens)):
                         totals[i] += n
+                elif isinstance(event, KeepAlive):
+                    yield KEEPALIVE_COMMENT
                 elif isinstance(event, Failed):
                     yield sse({"error": {"message": event.message, "type": event.error_type,
                                          "param": None, "code": None}})

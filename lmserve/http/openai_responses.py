@@ -11,16 +11,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmserve.core.errors import invalid
-from lmserve.core.events import Event, Failed, Finished, Usage
+from lmserve.core.events import Event, Failed, Finished, KeepAlive, Usage
 from lmserve.core.types import ChatRequest, Message, Tool, ToolCall
 from lmserve.http import fields
-from lmserve.http.common import sse
+from lmserve.http.common import KEEPALIVE_COMMENT, sse
 from lmserve.http.openai_chat import (
     ROLE_ALIASES,
     parse_output_format,
     parse_sampling,
     parse_tool_choice,
     reasoning_requested,
+    template_kwargs,
     text_content,
 )
 from lmserve.http.response_store import ResponseStore
@@ -200,7 +201,8 @@ def parse_responses(body: dict[str, Any], vocab_size: int, store: ResponseStore)
     chat = ChatRequest(messages, sampling, max_output_tokens, stop, stream, session_id=session_id,
                        tools=[Tool(t["name"], t["description"], t["parameters"], t["strict"]) for t in tools],
                        tool_choice=parse_tool_choice(body), output_format=output_format,
-                       reasoning=reasoning_requested(reasoning.get("effort"), "reasoning.effort"))
+                       reasoning=reasoning_requested(reasoning.get("effort"), "reasoning.effort"),
+                       template_kwargs=template_kwargs(body))
     return ResponsesCall(chat, conversation, keep, echo)
 
 
@@ -271,6 +273,8 @@ class ResponseRenderer:
                 for kind, payload in frames:
                     yield frame(kind, **payload)
                 yield frame(f"response.{status}", response=self._response(status, output.items, event.usage))
+            elif isinstance(event, KeepAlive):
+                yield KEEPALIVE_COMMENT
             elif isinstance(event, Failed):
                 for kind, payload in output.finish("incomplete"):
                     yield frame(kind, **payload)

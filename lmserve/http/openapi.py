@@ -48,10 +48,13 @@ OPENAI_SAMPLING = {
     "repeat_penalty": _num(0.01, 10), "seed": {"type": "integer"}, "stream": BOOL,
     "stop": {"anyOf": [STRING, {**STRINGS, "maxItems": 4}]},
     "logit_bias": {"type": "object", "additionalProperties": _num(-100, 100)},
-    "grammar": STRING, "regex": STRING, "lark": STRING, "json_schema": ANY_OBJECT,
+    "grammar": STRING, "guided_grammar": STRING, "regex": STRING, "guided_regex": STRING, "lark": STRING,
+    "json_schema": ANY_OBJECT, "guided_json": ANY_OBJECT,
     "tool_choice": {"anyOf": [{"enum": ["auto", "none", "required"]}, ANY_OBJECT]},
 }
 FORMAT_TYPES = {"enum": ["text", "json_object", "json_schema"]}
+RESPONSE_FORMAT = _obj({"type": FORMAT_TYPES, "json_schema": _obj({"name": STRING, "schema": ANY_OBJECT,
+                                                                    "strict": BOOL})})
 
 CHAT = _obj({
     **OPENAI_SAMPLING,
@@ -68,8 +71,7 @@ CHAT = _obj({
         "type": {"const": "function"},
         "function": _obj({"name": {"type": "string", "minLength": 1}, "description": STRING,
                           "parameters": ANY_OBJECT, "strict": BOOL}, ("name",))}, ("type", "function"))},
-    "response_format": _obj({"type": FORMAT_TYPES, "json_schema": _obj({"name": STRING, "schema": ANY_OBJECT,
-                                                                          "strict": BOOL})}),
+    "response_format": RESPONSE_FORMAT, "chat_template_kwargs": ANY_OBJECT,
 }, ("messages",))
 
 RESPONSES = _obj({
@@ -83,7 +85,7 @@ RESPONSES = _obj({
     "tools": {"type": "array", "items": _obj({"type": STRING, "name": STRING, "parameters": ANY_OBJECT},
                                              ("type",))},
     "text": _obj({"format": _obj({"type": FORMAT_TYPES, "schema": ANY_OBJECT, "name": STRING})}),
-    "reasoning": _obj({"effort": STRING, "summary": STRING}),
+    "reasoning": _obj({"effort": STRING, "summary": STRING}), "chat_template_kwargs": ANY_OBJECT,
 }, ("input",))
 
 ANTHROPIC_BLOCK = _obj({"type": {"enum": ["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]},
@@ -114,7 +116,7 @@ COMPLETIONS = _obj({
     "prompt": {"anyOf": [STRING, STRINGS, TOKEN_IDS, {"type": "array", "items": TOKEN_IDS}]},
     "max_tokens": COUNT, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "echo": {"const": False},
     "n": {"type": "integer", "minimum": 1, "maximum": 1}, "best_of": {"type": "integer", "minimum": 1, "maximum": 1},
-    "stream_options": _obj({"include_usage": BOOL}),
+    "stream_options": _obj({"include_usage": BOOL}), "response_format": RESPONSE_FORMAT,
 }, ("prompt",))
 
 TOKENIZE = _obj({"content": STRING, "add_special": BOOL, "with_pieces": BOOL}, ("content",))
