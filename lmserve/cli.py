@@ -15,8 +15,8 @@ import psutil
 import uvicorn
 
 from lmserve import __version__
-from lmserve.engine.scheduler import PREFILL_CHUNK
 from lmserve.model.gguf_file import ModelLoadError
+from lmserve.serving.scheduler import PREFILL_CHUNK
 
 DEFAULT_CTX_CAP = 8192
 

@@ -13,19 +13,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmserve.chat.planner import ReplyPlanner
+from lmserve.chat.prompt import PromptBuilder
+from lmserve.chat.reply import ReplyPlan
 from lmserve.core.errors import RequestError
-from lmserve.core.prompt import PromptBuilder
 from lmserve.core.types import ChatRequest, OutputFormat, SamplingParams
-from lmserve.engine.handle import Observer, RequestHandle
-from lmserve.engine.jobs import EventChannel, GenerationJob
-from lmserve.engine.kv_disk import DiskTier
-from lmserve.engine.kv_slots import SlotPool
-from lmserve.engine.planner import ReplyPlanner
 from lmserve.engine.protocol import Engine
-from lmserve.engine.ram_guard import plan_slots
-from lmserve.engine.reply import ReplyPlan
-from lmserve.engine.scheduler import PREFILL_CHUNK, QueueFull, Scheduler, ShuttingDown
 from lmserve.model.loader import LoadedModel
+from lmserve.serving.handle import Observer, RequestHandle
+from lmserve.serving.jobs import EventChannel, GenerationJob
+from lmserve.serving.kv_disk import DiskTier
+from lmserve.serving.kv_slots import SlotPool
+from lmserve.serving.ram_guard import plan_slots
+from lmserve.serving.scheduler import PREFILL_CHUNK, QueueFull, Scheduler, ShuttingDown
 
 DEFAULT_MAX_TOKENS = 4096
 

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lmserve.chat.grammar import Grammars
+from lmserve.chat.grammar_sources import output_grammar
 from lmserve.core.types import OutputFormat
-from lmserve.engine.grammar import Grammars
-from lmserve.engine.grammar_sources import output_grammar
 from lmserve.engine.protocol import Engine
 from lmserve.model.config import ModelConfig
 from lmserve.model.default_model import default_model_path

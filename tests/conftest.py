@@ -67,7 +67,7 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def planner(qwen3):
     """A reply planner over that tokenizer and the real Qwen3 chat template."""
-    from lmserve.engine.planner import ReplyPlanner
+    from lmserve.chat.planner import ReplyPlanner
     from lmserve.model.chat_template import ChatTemplate
 
     return ReplyPlanner(qwen3, ChatTemplate((TEMPLATES / "qwen3.jinja").read_text()))

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from lmserve.chat.planner import ReplyPlanner
+from lmserve.chat.reply import ReplyDecoder, ReplyPlan
+from lmserve.chat.token_stream import StopFilter
 from lmserve.core.events import Event, ReasoningDelta, TextDelta, TokenLogprob, ToolCallEvent
-from lmserve.core.token_stream import StopFilter
 from lmserve.core.types import ChatRequest, Message
-from lmserve.engine.planner import ReplyPlanner
-from lmserve.engine.reply import ReplyDecoder, ReplyPlan
 from lmserve.model.tokenizer import Tokenizer
 from tests.test_reply_routing import CALLS, WEATHER, drive
 

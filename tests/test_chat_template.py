@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from lmserve.core.prompt import PromptBuilder
+from lmserve.chat.prompt import PromptBuilder
 from lmserve.core.types import ChatRequest
 from lmserve.http.anthropic import parse_messages
 from lmserve.http.openai_chat import parse_chat

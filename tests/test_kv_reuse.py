@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmserve.engine.kv_disk import DiskTier
-from lmserve.engine.kv_slots import SlotPool
-from lmserve.engine.ram_guard import plan_slots
 from lmserve.engine_cpu import CPUEngine
 from lmserve.model.loader import load_model
+from lmserve.serving.kv_disk import DiskTier
+from lmserve.serving.kv_slots import SlotPool
+from lmserve.serving.ram_guard import plan_slots
 
 CTX = 512
 

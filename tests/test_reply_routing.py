@@ -8,13 +8,13 @@ import json
 import numpy as np
 import pytest
 
+from lmserve.chat.grammar import ForcedTokens, GrammarConstraint
+from lmserve.chat.planner import ReplyPlanner
+from lmserve.chat.reply import ReplyDecoder, ReplyPlan
+from lmserve.chat.reply_router import CallRouting
+from lmserve.chat.tool_format import HERMES, HERMES_END, HERMES_START, ToolFormat
 from lmserve.core.events import Event, ReasoningDelta, TextDelta, TokenLogprob, ToolCallEvent
-from lmserve.core.reply_router import CallRouting
-from lmserve.core.tool_format import HERMES, HERMES_END, HERMES_START, ToolFormat
 from lmserve.core.types import ChatRequest, Message, OutputFormat, Tool
-from lmserve.engine.grammar import ForcedTokens, GrammarConstraint
-from lmserve.engine.planner import ReplyPlanner
-from lmserve.engine.reply import ReplyDecoder, ReplyPlan
 from lmserve.model.tokenizer import Tokenizer
 
 WEATHER = Tool("get_weather", "Weather for a city",

@@ -12,12 +12,12 @@ import httpx
 import numpy as np
 import pytest
 
+from lmserve.chat.planner import ReplyPlanner
+from lmserve.chat.prompt import PromptBuilder
+from lmserve.chat.reply import ReplyDecoder
 from lmserve.core.errors import RequestError
 from lmserve.core.events import TextDelta
-from lmserve.core.prompt import PromptBuilder
 from lmserve.core.types import OutputFormat
-from lmserve.engine.planner import ReplyPlanner
-from lmserve.engine.reply import ReplyDecoder
 from lmserve.http.openai_chat import parse_chat
 from lmserve.http.openai_completions import parse_completion
 from lmserve.http.openai_responses import parse_responses

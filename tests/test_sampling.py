@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from lmserve.core.types import SamplingParams
-from lmserve.engine.sampling import Sampler, token_logprob
+from lmserve.serving.sampling import Sampler, token_logprob
 
 LOGITS = np.array([1.0, 3.0, 2.0, 0.5, 2.9], dtype=np.float32)
 

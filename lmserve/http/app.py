@@ -18,7 +18,6 @@ from lmserve import __version__
 from lmserve.core.errors import RequestError, invalid
 from lmserve.core.events import Failed
 from lmserve.core.types import ChatRequest
-from lmserve.engine.handle import Observer, RequestHandle
 from lmserve.http import fields, openapi
 from lmserve.http.access import RECORD_KEY, AccessLog
 from lmserve.http.anthropic import MessageRenderer, parse_messages
@@ -41,6 +40,7 @@ from lmserve.http.openai_completions import CompletionRenderer, parse_completion
 from lmserve.http.openai_responses import ResponseRenderer, parse_responses
 from lmserve.http.response_store import ResponseStore
 from lmserve.runtime import Runtime
+from lmserve.serving.handle import Observer, RequestHandle
 
 log = logging.getLogger("lmserve.http")
 STATIC = Path(__file__).parent / "static"

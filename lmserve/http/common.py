@@ -13,7 +13,7 @@ from litestar.response import Stream
 
 from lmserve.core.errors import RequestError
 from lmserve.core.events import Event, Failed
-from lmserve.engine.handle import RequestHandle
+from lmserve.serving.handle import RequestHandle
 
 ErrorRenderer = Callable[[RequestError], Response]
 MAX_DEPTH = 64  # JSON nesting a request may use (tool schemas nest, but never this far)

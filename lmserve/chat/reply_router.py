@@ -13,8 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmserve.chat.tool_format import ToolFormat
 from lmserve.core.events import Event, ReasoningDelta, TextDelta, TokenLogprob, ToolCallEvent
-from lmserve.core.tool_format import ToolFormat
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 

@@ -3,7 +3,7 @@
 The worker thread never touches a socket: it puts events into the job's channel, an unbounded
 asyncio queue on the connection's event loop, so a client that stops reading stalls only itself.
 The buffer is bounded all the same, by the job's max_tokens. The connection side sees a job only
-through its RequestHandle (engine/handle.py).
+through its RequestHandle (serving/handle.py).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import contextlib
 import threading
 from dataclasses import dataclass, field
 
+from lmserve.chat.reply import ReplyPlan
 from lmserve.core.events import Event
 from lmserve.core.types import SamplingParams
-from lmserve.engine.reply import ReplyPlan
 
 
 class EventChannel:

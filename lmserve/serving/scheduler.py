@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lmserve.chat.reply import ReplyDecoder
 from lmserve.core.events import Failed, Finished, Started, Usage
-from lmserve.engine.jobs import GenerationJob
-from lmserve.engine.kv_slots import Slot, SlotPool
 from lmserve.engine.protocol import Engine
-from lmserve.engine.reply import ReplyDecoder
-from lmserve.engine.sampling import Sampler, token_logprob
 from lmserve.model.tokenizer import Tokenizer
+from lmserve.serving.jobs import GenerationJob
+from lmserve.serving.kv_slots import Slot, SlotPool
+from lmserve.serving.sampling import Sampler, token_logprob
 
 log = logging.getLogger("lmserve.scheduler")
 

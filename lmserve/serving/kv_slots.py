@@ -20,8 +20,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lmserve.engine.kv_disk import DiskTier
 from lmserve.engine.protocol import Engine, KVCache
+from lmserve.serving.kv_disk import DiskTier
 
 log = logging.getLogger("lmserve.kv")
 

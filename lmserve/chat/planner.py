@@ -10,14 +10,14 @@ import json
 import threading
 from collections.abc import Callable
 
-from lmserve.core import tool_format
+from lmserve.chat import tool_format
+from lmserve.chat.grammar import CompiledGrammar, GrammarError, Grammars
+from lmserve.chat.grammar_sources import call_grammar, output_grammar
+from lmserve.chat.reply import ReplyPlan
+from lmserve.chat.reply_router import THINK_CLOSE, THINK_OPEN, CallRouting
+from lmserve.chat.tool_format import ToolFormat
 from lmserve.core.errors import RequestError
-from lmserve.core.reply_router import THINK_CLOSE, THINK_OPEN, CallRouting
-from lmserve.core.tool_format import ToolFormat
 from lmserve.core.types import ChatRequest, OutputFormat, Tool
-from lmserve.engine.grammar import CompiledGrammar, GrammarError, Grammars
-from lmserve.engine.grammar_sources import call_grammar, output_grammar
-from lmserve.engine.reply import ReplyPlan
 from lmserve.model.chat_template import ChatTemplate
 from lmserve.model.tokenizer import Tokenizer
 

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from lmserve.core.events import CLIENT_CLOSED, Event, Failed, Finished, KeepAlive
-from lmserve.engine.jobs import GenerationJob
+from lmserve.serving.jobs import GenerationJob
 
 Observer = Callable[[Event], None]
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import llguidance
 
+from lmserve.chat.grammar import GrammarError
 from lmserve.core.types import OutputFormat, Tool
-from lmserve.engine.grammar import GrammarError
 
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}

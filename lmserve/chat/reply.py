@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lmserve.chat.grammar import CompiledGrammar, Constraint, ForcedTokens
+from lmserve.chat.reply_router import CallRouting, ReplyRouter
+from lmserve.chat.token_stream import StopFilter, TokenStream
 from lmserve.core.events import Event, TextDelta, TokenLogprob, ToolCallEvent
-from lmserve.core.reply_router import CallRouting, ReplyRouter
-from lmserve.core.token_stream import StopFilter, TokenStream
-from lmserve.engine.grammar import CompiledGrammar, Constraint, ForcedTokens
 
 THINK_SHARE = 0.75  # thinking may use at most this share of max_tokens
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lmserve.core import hermes
+from lmserve.chat import hermes
 from lmserve.core.errors import RequestError
 from lmserve.core.types import ChatRequest
 from lmserve.model.chat_template import ChatTemplate, TemplateError
