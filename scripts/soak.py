@@ -1,8 +1,10 @@
-"""Soak test: N concurrent clients for T minutes against a fresh lmserve, mixing the three dialects,
-streaming and not, tools and grammars, client disconnects mid-stream, stalled readers, bad requests
+"""Soak test: N concurrent clients for T minutes against a fresh lmserve, mixing the four dialects
+(chat, responses, messages, legacy completions), streaming and not, tools and grammars, client
+disconnects mid-stream, stalled readers, non-streaming requests the client hangs up on, bad requests
 and prompts at and over the context limit. Every reply is checked as it completes; afterwards the
 server must be idle (queue, batch rows, KV slots) with resident memory within 5% of its level after
-warm-up. Prints a summary table; exits 1 on any failure.
+warm-up and no more client_closed requests in /metrics than the clients cut, then exit 0 on SIGTERM.
+Prints a summary table; exits 1 on any failure.
 
     python scripts/soak.py --clients 8 --minutes 30
     python scripts/soak.py --clients 4 --minutes 2 --sigterm-after 60   # stop it mid-load
@@ -37,6 +39,8 @@ def main() -> int:
     with start_server(*flags) as server:
         soak = Soak(server, args.ctx, args.seed)
         report = soak.run(args.clients, args.minutes * 60, soak.warm_up(), args.sigterm_after)
+        if args.sigterm_after is None:
+            soak.stop(report)
     print(f"soak: {args.clients} clients, {args.minutes:g} min, server {' '.join(flags)}\n")
     print(table(report))
     return 1 if report.failures else 0

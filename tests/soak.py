@@ -1,6 +1,7 @@
 """Soak runs: concurrent clients drawing from the request mix (tests/soak_requests.py) against one
 lmserve process, then the server must be idle again (queue places, batch rows and KV slots, from
-/health) with its resident memory within 5% of its level after warm-up.
+/health) with its resident memory within 5% of its level after warm-up, and its count of requests
+whose client left (/metrics `lmserve_client_closed_total`) consistent with what the clients cut.
 
 Used by scripts/soak.py (long runs) and tests/test_soak.py (the short CI form, and SIGTERM).
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import statistics
 import threading
@@ -20,14 +22,17 @@ import httpx
 import psutil
 
 from tests.server_util import Server
-from tests.soak_requests import DIALECTS, FILLER, KINDS, Mix, Planned, check_semantics
+from tests.soak_requests import DIALECTS, FILLER, KINDS, STREAMED, Mix, Planned, check_semantics
 from tests.wire_check import PATHS, check_body, check_error, check_no_traceback, check_stream
 
 RESULTS = ("ok", "refused", "busy", "cut", "stopped", "FAIL")
 RSS_TOLERANCE = 0.05
 REQUEST_TIMEOUT = 180.0  # a queued request waits its turn; past this it counts as a hang
 RSS_SAMPLE_SECONDS = 10.0
+KINDS_CUT = (*STREAMED, "hangup")  # the behaviours whose client may leave before the reply ends
 LONG_MARGIN = 24  # a long prompt leaves about this many tokens of the context for its reply
+HANGUP_AFTER = (0.2, 3.0)  # seconds a hang-up client waits for its non-streaming reply
+CLOSED_METRIC = re.compile(r'^lmserve_client_closed_total\{route="([^"]*)"\} (\d+)$', re.M)
 
 
 @dataclass
@@ -48,8 +53,13 @@ class Report:
     health: dict | None = None  # /health once idle again (None after a SIGTERM)
     rss_end: int = 0
     rss_trace: list[int] = field(default_factory=list)  # sampled during the run: plateau or climb?
-    exit_code: int | None = None  # after a SIGTERM
+    exit_code: int | None = None  # after a SIGTERM (under load, or once idle: Soak.stop)
+    sigterm_under_load: bool = False
+    client_closed: dict[str, int] | None = None  # /metrics, counted during the run, by route
     problems: list[str] = field(default_factory=list)  # server-side findings
+
+    def cuts(self, kinds: tuple[str, ...]) -> int:
+        return sum(o.result == "cut" and o.kind in kinds for o in self.outcomes)
 
     @property
     def failures(self) -> list[str]:
@@ -85,6 +95,11 @@ class Soak:
     def health(self) -> dict:
         return httpx.get(self.server.base_url + "/health", timeout=30).json()
 
+    def client_closed(self) -> dict[str, int]:
+        """`lmserve_client_closed_total` by route, from /metrics (cumulative since the start)."""
+        text = httpx.get(self.server.base_url + "/metrics", timeout=30).text
+        return {route: int(n) for route, n in CLOSED_METRIC.findall(text)}
+
     def rss(self) -> int:
         return psutil.Process(self.server.process.pid).memory_info().rss
 
@@ -115,18 +130,31 @@ class Soak:
         start = time.monotonic()
         answered = False
         try:
-            with http.stream("POST", PATHS[plan.dialect], json=plan.body) as r:
-                answered = True
-                if r.status_code == 200 and plan.kind == "disconnect":
-                    lines = r.iter_lines()
-                    for _ in range(rng.randint(1, 6)):
-                        next(lines, None)
+            if plan.kind == "hangup":
+                # A non-streaming request on its own connection whose client gives up: the timeout
+                # closes the socket and the server must cancel the request. A reply that comes in
+                # time is judged like any other.
+                patience = httpx.Timeout(rng.uniform(*HANGUP_AFTER), connect=REQUEST_TIMEOUT)
+                try:
+                    with httpx.Client(base_url=self.server.base_url, timeout=patience) as impatient:
+                        r = impatient.post(PATHS[plan.dialect], json=plan.body)
+                except httpx.ReadTimeout:
                     return Outcome(plan.dialect, plan.kind, "cut", time.monotonic() - start)
-                chunks = r.iter_raw()
-                first = next(chunks, b"")
-                if plan.kind == "stalled":
-                    time.sleep(rng.uniform(1.0, 4.0))
-                raw = first + b"".join(chunks)
+                answered = True
+                raw = r.content
+            else:
+                with http.stream("POST", PATHS[plan.dialect], json=plan.body) as r:
+                    answered = True
+                    if r.status_code == 200 and plan.kind == "disconnect":
+                        lines = r.iter_lines()
+                        for _ in range(rng.randint(1, 6)):
+                            next(lines, None)
+                        return Outcome(plan.dialect, plan.kind, "cut", time.monotonic() - start)
+                    chunks = r.iter_raw()
+                    first = next(chunks, b"")
+                    if plan.kind == "stalled":
+                        time.sleep(rng.uniform(1.0, 4.0))
+                    raw = first + b"".join(chunks)
             outcome = self._judge(plan, r.status_code, r.headers.get("content-type", ""), raw.decode())
         except Exception as exc:  # a malformed reply in any way
             # Once the server is stopping, a connection may be refused or dropped before an answer;
@@ -179,6 +207,7 @@ class Soak:
 
         trace: list[int] = []
         done = threading.Event()
+        closed_before = self.client_closed() if sigterm_after is None else {}
 
         def sample_rss() -> None:
             while not done.wait(RSS_SAMPLE_SECONDS) and not self.stopping.is_set():
@@ -195,7 +224,8 @@ class Soak:
         for t in threads:
             t.join()
         done.set()
-        report = Report(outcomes, time.monotonic() - started, rss_warm, rss_trace=trace)
+        report = Report(outcomes, time.monotonic() - started, rss_warm, rss_trace=trace,
+                        sigterm_under_load=sigterm_after is not None)
         if sigterm_after is not None:
             report.exit_code = self.server.process.wait(30)
             if report.exit_code != 0:
@@ -203,8 +233,19 @@ class Soak:
             return report
         report.health = self.wait_idle()
         report.rss_end = self.rss()
+        time.sleep(0.5)  # a cancelled request's handler counts it just after giving its places back
+        report.client_closed = {route: n - closed_before.get(route, 0) for route, n in self.client_closed().items()
+                                if n > closed_before.get(route, 0)}
         report.problems += self._server_problems(report)
         return report
+
+    def stop(self, report: Report) -> None:
+        """SIGTERM to the idle server after a run: it must exit with status 0."""
+        self.stopping.set()
+        self.server.process.send_signal(signal.SIGTERM)
+        report.exit_code = self.server.process.wait(30)
+        if report.exit_code != 0:
+            report.problems.append(f"exit status {report.exit_code} after SIGTERM once idle")
 
     @staticmethod
     def _server_problems(report: Report) -> list[str]:
@@ -216,6 +257,14 @@ class Soak:
         growth = report.rss_end / report.rss_warm - 1
         if growth > RSS_TOLERANCE:
             problems.append(f"resident memory grew {growth:+.1%} after warm-up (limit {RSS_TOLERANCE:.0%})")
+        # Only a client that leaves makes a client_closed (stalled readers finish reading), so the
+        # server cannot count more than the clients cut; hang-ups cut must show up there.
+        closed, cuts, hangups = sum((report.client_closed or {}).values()), report.cuts(KINDS_CUT), \
+            report.cuts(("hangup",))
+        if closed > cuts:
+            problems.append(f"/metrics counts {closed} client_closed requests, the clients cut only {cuts}")
+        if hangups and not closed:
+            problems.append(f"{hangups} non-streaming requests hung up on, none counted as client_closed")
         return problems
 
 
@@ -225,38 +274,62 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _row(label: str, kind: str, rows: list[Outcome]) -> str:
+    counts = Counter(o.result for o in rows)
+    times = sorted(o.seconds for o in rows)
+    p99 = times[min(len(times) - 1, int(len(times) * 0.99))]
+    return (f"{label:<12} {kind:<11} {len(rows):>5} " + " ".join(f"{counts[r]:>7}" for r in RESULTS)
+            + f" {statistics.median(times):>7.2f} {p99:>7.2f} {sum(o.tokens for o in rows):>7}")
+
+
 def table(report: Report) -> str:
-    """Per dialect and behaviour: counts by result, latency p50/p99, tokens; then the server lines."""
-    groups: dict[tuple[str, str], list[Outcome]] = defaultdict(list)
+    """Requests by dialect and behaviour, then by dialect and by behaviour alone, each with counts
+    by result, latency p50/p99 and tokens delivered; then the server's state after the run."""
+    by_pair: dict[tuple[str, str], list[Outcome]] = defaultdict(list)
+    by_dialect: dict[str, list[Outcome]] = defaultdict(list)
+    by_kind: dict[str, list[Outcome]] = defaultdict(list)
     for o in report.outcomes:
-        groups[(o.dialect, o.kind)].append(o)
-    head = f"{'dialect':<10} {'kind':<11} {'n':>5} " + " ".join(f"{r:>7}" for r in RESULTS) + \
+        by_pair[(o.dialect, o.kind)].append(o)
+        by_dialect[o.dialect].append(o)
+        by_kind[o.kind].append(o)
+    head = f"{'dialect':<12} {'kind':<11} {'n':>5} " + " ".join(f"{r:>7}" for r in RESULTS) + \
         f" {'p50 s':>7} {'p99 s':>7} {'tokens':>7}"
-    lines = [head, "-" * len(head)]
-    keys = [(d, k) for d in DIALECTS for k in KINDS if (d, k) in groups]
-    for key in [*keys, ("total", "")]:
-        rows = report.outcomes if key[0] == "total" else groups[key]
-        if not rows:
-            continue
-        counts = Counter(o.result for o in rows)
-        times = sorted(o.seconds for o in rows)
-        p99 = times[min(len(times) - 1, int(len(times) * 0.99))]
-        lines.append(f"{key[0]:<10} {key[1]:<11} {len(rows):>5} " + " ".join(f"{counts[r]:>7}" for r in RESULTS)
-                     + f" {statistics.median(times):>7.2f} {p99:>7.2f} {sum(o.tokens for o in rows):>7}")
+    rule = "-" * len(head)
+    lines = [head, rule]
+    lines += [_row(d, k, by_pair[(d, k)]) for d in DIALECTS for k in KINDS if (d, k) in by_pair]
+    lines.append(rule)
+    lines += [_row(d, "(all)", by_dialect[d]) for d in DIALECTS if d in by_dialect]
+    lines.append(rule)
+    lines += [_row("(all)", k, by_kind[k]) for k in KINDS if k in by_kind]
+    if report.outcomes:
+        lines += [rule, _row("total", "", report.outcomes)]
     tokens = sum(o.tokens for o in report.outcomes)
     lines.append(f"\n{len(report.outcomes)} requests in {report.seconds:.0f} s; {tokens} tokens delivered "
                  f"({tokens / max(report.seconds, 1e-9):.1f} tok/s)")
+    totals = Counter(o.result for o in report.outcomes)
+    lines.append("by result: " + ", ".join(f"{r} {totals[r]}" for r in RESULTS))
+    lines.append("by dialect: " + ", ".join(f"{d} {len(by_dialect[d])} ({sum(o.result == 'ok' for o in by_dialect[d])} ok)"
+                                            for d in DIALECTS))
     if report.health is not None:
         h = report.health
-        lines.append(f"idle after: queue_depth {h['queue_depth']}, active_sequences {h['active_sequences']}, "
-                     f"kv.in_use {h['kv']['in_use']} of {h['kv']['slots']}")
+        idle = (h["queue_depth"], h["active_sequences"], h["kv"]["in_use"]) == (0, 0, 0)
+        lines.append(f"/health after the run: queue_depth {h['queue_depth']}, active_sequences "
+                     f"{h['active_sequences']}, kv.in_use {h['kv']['in_use']} of {h['kv']['slots']} "
+                     f"({'all 0' if idle else 'NOT IDLE'})")
+        growth = report.rss_end / report.rss_warm - 1
         lines.append(f"RSS after warm-up {mib(report.rss_warm)}, at end {mib(report.rss_end)} "
-                     f"({report.rss_end / report.rss_warm - 1:+.2%}; limit +{RSS_TOLERANCE:.0%})")
+                     f"({growth:+.2%}; limit +{RSS_TOLERANCE:.0%}: {'flat' if growth <= RSS_TOLERANCE else 'GREW'})")
         if report.rss_trace:
             trace = report.rss_trace
             points = [trace[min(len(trace) - 1, len(trace) * q // 4)] for q in range(5)]
             lines.append("RSS during the run, at 0/25/50/75/100%: " + ", ".join(mib(n) for n in points))
+    if report.client_closed is not None:
+        closed = report.client_closed
+        routes = ", ".join(f"{route} {n}" for route, n in sorted(closed.items())) or "none"
+        lines.append(f"client_closed (/metrics, during the run): {sum(closed.values())} ({routes}); the clients "
+                     f"cut {report.cuts(('hangup',))} non-streaming hang-ups and {report.cuts(STREAMED)} streams")
     if report.exit_code is not None:
-        lines.append(f"SIGTERM: exit status {report.exit_code}")
+        when = "under load" if report.sigterm_under_load else "once idle"
+        lines.append(f"exit status after SIGTERM {when}: {report.exit_code}")
     lines += [f"PROBLEM: {p}" for p in report.failures[:20]]
     return "\n".join(lines)
