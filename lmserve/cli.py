@@ -126,9 +126,8 @@ def banner(runtime, ready_s: float) -> str:
         ("listening", f"http://{runtime.options.host}:{runtime.options.port}"),
         ("ready in", f"{ready_s:.2f} s"),
     ]
-    summary = getattr(engine, "quant_summary", "")
-    if summary:
-        rows.insert(3, ("conversion", summary))
+    if engine.quant_summary:
+        rows.insert(3, ("conversion", engine.quant_summary))
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"lmserve {__version__}"] + [f"  {k:<{width}}  {v}" for k, v in rows])
 
@@ -144,12 +143,6 @@ def seconds_since_process_start() -> float:
         return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return max(0.0, time.time() - psutil.Process().create_time())
-
-
-def injected_available_memory() -> int | None:
-    """Test hook: LMSERVE_AVAILABLE_MEMORY (bytes) stands in for psutil's available memory."""
-    value = os.environ.get("LMSERVE_AVAILABLE_MEMORY")
-    return int(value) if value else None
 
 
 def default_max_body(ctx: int) -> int:
@@ -204,9 +197,8 @@ def serve(args: argparse.Namespace) -> None:
     options = ServerOptions(host=args.host, port=args.port, ctx=ctx, max_queue=args.queue,
                             max_batch=args.batch, api_key=args.api_key, kv_slots=args.kv_slots,
                             kv_slots_force=args.kv_slots_force, kv_cache_dir=args.kv_cache_dir,
-                            kv_disk_slots=args.kv_disk_slots, available_memory=injected_available_memory(),
-                            fault_marker=os.environ.get("LMSERVE_TEST_FAULTS") or None,
-                            prefill_chunk=args.prefill_chunk, keepalive=args.sse_keepalive)
+                            kv_disk_slots=args.kv_disk_slots, prefill_chunk=args.prefill_chunk,
+                            keepalive=args.sse_keepalive)
     try:
         runtime = Runtime(model, engine, options)
     except OSError as exc:

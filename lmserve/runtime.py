@@ -42,8 +42,6 @@ class ServerOptions:
     kv_slots_force: bool = False
     kv_cache_dir: Path | None = None
     kv_disk_slots: int = 8
-    available_memory: int | None = None  # None: ask psutil (tests inject a figure)
-    fault_marker: str | None = None  # test hook: prompts containing it fail in the worker
     prefill_chunk: int = PREFILL_CHUNK
     keepalive: float = 5.0  # seconds of silence after which a stream writes a keep-alive frame
     started_at: float = field(default_factory=time.time)
@@ -60,9 +58,9 @@ class Runtime:
         self.prompts = PromptBuilder(model.tokenizer, model.template)
         self.replies = ReplyPlanner(model.tokenizer, model.template)
         cfg = model.config
-        per_token = cfg.kv_bytes_per_token(getattr(engine, "kv_dtype_bytes", 4))
+        per_token = cfg.kv_bytes_per_token(engine.kv_dtype_bytes)
         self.slot_budget = plan_slots(max(options.kv_slots, options.max_batch), per_token, options.ctx,
-                                      options.available_memory, force=options.kv_slots_force)
+                                      force=options.kv_slots_force)
         disk = None
         if options.kv_cache_dir is not None:
             disk = DiskTier(options.kv_cache_dir, model.gguf.header_digest(),
@@ -70,7 +68,7 @@ class Runtime:
         self.warm = threading.Event()  # set once first-use work (tool parsers, grammar tokenizer) is done
         self.slots = SlotPool(engine, self.slot_budget.slots, options.ctx, disk)
         self.scheduler = Scheduler(engine, model.tokenizer, self.slots, options.max_queue, options.max_batch,
-                                   options.fault_marker, options.prefill_chunk)
+                                   options.prefill_chunk)
 
     def start(self) -> None:
         self.scheduler.start()

@@ -12,8 +12,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
+
+from tests.hooked_server import Hooks
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -34,13 +39,20 @@ class Server:
 
 
 @contextlib.contextmanager
-def start_server(*args: str, env: dict[str, str] | None = None, timeout: float = 120.0) -> Iterator[Server]:
-    """Run `python -m lmserve.cli ARGS --port P` and yield once /health answers."""
+def start_server(*args: str, env: dict[str, str] | None = None, timeout: float = 120.0,
+                 hooks: Hooks | None = None) -> Iterator[Server]:
+    """Run `python -m lmserve.cli ARGS --port P` and yield once /health answers. With `hooks`, the
+    same through `python -m tests.hooked_server`, which installs them first."""
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="lmserve-", suffix=".log", delete=False)  # noqa: SIM115
+    env = {**os.environ, **(env or {})}
+    entry = ["lmserve.cli"]
+    if hooks is not None:
+        entry = ["tests.hooked_server", *hooks.argv(), "--"]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lmserve.cli", *args, "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        [sys.executable, "-m", *entry, *args, "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
     )
     server = Server(f"http://127.0.0.1:{port}", proc, log.name)
     try:

@@ -40,7 +40,7 @@ def test_grammar_and_forced_call_on_both_engines(qwen3_path: Path, kind: str) ->
         pytest.importorskip("mlx.core")
     model = load_model(qwen3_path)
     runtime = Runtime(model, load_engine(kind, model.gguf, model.config),
-                      ServerOptions(ctx=1024, kv_slots=2, max_batch=2, available_memory=1 << 34))
+                      ServerOptions(ctx=1024, kv_slots=2, max_batch=2))
     runtime.start()
     greedy = SamplingParams(temperature=0)
     user = [Message("user", "hi")]

@@ -169,7 +169,25 @@ def test_rejects_bad_token_ids(tiny_engines: dict[str, CPUEngine]) -> None:
     for bad in ([-1], [engine.config.vocab_size]):
         with pytest.raises(ValueError):
             engine.prefill(cache, bad)
+        with pytest.raises(ValueError):
+            engine.decode([cache], bad)
     assert cache.length == 0
+
+
+def test_protocol_figures_and_decode_argmax(tiny_engines: dict[str, CPUEngine]) -> None:
+    """What the runtime, CLI and scheduler read of an engine; decode_argmax is decode's argmax,
+    though the scheduler does not use it here (device_argmax is False: no device to save a copy from)."""
+    engine = tiny_engines["qwen2-F32"]
+    assert (engine.kv_dtype_bytes, engine.quant_summary, engine.device_argmax) == (4, "", False)
+    prompts = [PROMPT[:3], PROMPT]
+    host, greedy = [engine.new_cache(32) for _ in prompts], [engine.new_cache(32) for _ in prompts]
+    for h, g, ids in zip(host, greedy, prompts, strict=True):
+        engine.prefill(h, ids)
+        engine.prefill(g, ids)
+    ids = engine.decode_argmax(greedy, [5, 6])
+    assert ids.dtype == np.int64 and ids.tolist() == engine.decode(host, [5, 6]).argmax(-1).tolist()
+    with pytest.raises(TypeError):
+        engine.decode([object()], [1])  # a cache of another engine
 
 
 # -- tiny Qwen2 / Qwen3 fixtures -------------------------------------------------------------

@@ -251,6 +251,67 @@ def test_save_load_round_trip(tiny, tmp_path):
         tiny.load_cache(path, 8)
 
 
+def test_saved_cache_is_an_mlx_lm_prompt_cache(tiny, tmp_path):
+    """The file is mlx-lm's own format (its loader reads it back) with our geometry in its metadata;
+    an empty cache round-trips too."""
+    from mlx_lm.models.cache import load_prompt_cache
+
+    cache = tiny.new_cache(64)
+    tiny.prefill(cache, PROMPT)
+    tiny.save_cache(cache, tmp_path / "slot.safetensors")
+    layers, metadata = load_prompt_cache(str(tmp_path / "slot.safetensors"), return_metadata=True)
+    assert len(layers) == tiny.config.n_layers and {layer.offset for layer in layers} == {len(PROMPT)}
+    assert layers[0].keys.shape[2] == len(PROMPT)  # the valid positions only, no preallocated slack
+    assert metadata["length"] == str(len(PROMPT)) and metadata["geometry"].startswith(f"{tiny.config.n_layers}x")
+    tiny.save_cache(tiny.new_cache(8), tmp_path / "empty")
+    empty = tiny.load_cache(tmp_path / "empty", 8)
+    assert empty.length == 0
+    np.testing.assert_allclose(tiny.prefill(empty, PROMPT[:8]), fresh(tiny, PROMPT[:8]), atol=1e-4)
+
+
+def test_load_cache_refuses_other_models_and_engines(tiny, qwen_fixtures, cache_dir, tmp_path):
+    cpu = CPUEngine(*open_model(llama("F32")))
+    cpu_cache = cpu.new_cache(64)
+    cpu.prefill(cpu_cache, PROMPT)
+    cpu.save_cache(cpu_cache, tmp_path / "cpu.kv")
+    (tmp_path / "junk.kv").write_bytes(b"not a cache at all")
+    plain = tmp_path / "plain.safetensors"
+    mx.save_safetensors(str(plain), {"0.keys": mx.zeros((1, 1, 1, 1))}, {"format": "lmserve-mlx-kv-1"})
+    for path in (tmp_path / "cpu.kv", tmp_path / "junk.kv", plain):
+        with pytest.raises(ValueError, match="not a KV cache of this model"):
+            tiny.load_cache(path, 64)
+    cache = tiny.new_cache(64)
+    tiny.prefill(cache, PROMPT)
+    tiny.save_cache(cache, tmp_path / "mlx.kv")
+    with pytest.raises(ValueError):
+        cpu.load_cache(tmp_path / "mlx.kv", 64)
+    other = MLXEngine(*open_model(qwen_fixtures["qwen3-F32"]), cache_dir=cache_dir)
+    assert (other.config.n_layers, other.config.n_kv_heads, other.config.head_dim) != (
+        tiny.config.n_layers, tiny.config.n_kv_heads, tiny.config.head_dim)
+    with pytest.raises(ValueError, match="not a KV cache of this model"):
+        other.load_cache(tmp_path / "mlx.kv", 64)
+    with pytest.raises(FileNotFoundError):
+        tiny.load_cache(tmp_path / "missing.kv", 64)
+
+
+def test_disk_tier_spills_and_restores_an_mlx_cache(tiny, tmp_path):
+    """serving/kv_disk.py wraps the engine's file in its own header and hands the engine a
+    suffix-less payload path both ways."""
+    from lmserve.serving.kv_disk import DiskTier
+
+    cfg = tiny.config
+    tier = DiskTier(tmp_path, "fingerprint", [tiny.name, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim])
+    cache = tiny.new_cache(64)
+    tiny.prefill(cache, PROMPT)
+    tier.spill(cache, PROMPT, tiny)
+    restarted = DiskTier(tmp_path, "fingerprint", tier.geometry)
+    entry = restarted.best_match(PROMPT + TAIL)
+    assert entry is not None and entry.shared == len(PROMPT)
+    restored = restarted.load(entry, tiny, 64)
+    assert restored is not None and restored.length == len(PROMPT)
+    np.testing.assert_allclose(tiny.prefill(restored, TAIL), fresh(tiny, PROMPT + TAIL), atol=1e-4)
+
+
 def test_cache_capacity(tiny):
     cache = tiny.new_cache(4)
     with pytest.raises(CacheFullError):

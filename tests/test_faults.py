@@ -13,6 +13,7 @@ import threading
 import httpx
 import pytest
 
+from tests.hooked_server import Hooks
 from tests.server_util import start_server
 from tests.wire_check import PATHS, check_body, check_error, check_stream
 
@@ -34,8 +35,7 @@ def post(server, path: str, body: dict) -> httpx.Response:
 
 
 def test_worker_fault_ends_that_request_in_band_and_others_keep_running():
-    with start_server("--engine", "cpu", "--ctx", "1024", "--batch", "2",
-                      env={"LMSERVE_TEST_FAULTS": MARKER}) as server:
+    with start_server("--engine", "cpu", "--ctx", "1024", "--batch", "2", hooks=Hooks(fault_marker=MARKER)) as server:
         sibling: dict[str, str] = {}
 
         def run_sibling() -> None:

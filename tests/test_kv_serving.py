@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.hooked_server import Hooks
 from tests.server_util import start_server
 
 SYSTEM = "You are a terse assistant for a hardware store. " * 25  # a long shared system prompt
@@ -82,13 +83,13 @@ def test_spill_restart_restore_gives_the_same_reply(tmp_path):
 
 
 def test_ram_guard_clamps_slots_and_force_keeps_them():
-    env = {"LMSERVE_AVAILABLE_MEMORY": str(200 * 1024 * 1024)}  # 200 MiB: 4 slots of 8k do not fit
-    with start_server("--engine", "cpu", "--kv-slots", "4", env=env) as s:
+    hooks = Hooks(available_memory=200 * 1024 * 1024)  # 200 MiB: 4 slots of 8k do not fit
+    with start_server("--engine", "cpu", "--kv-slots", "4", hooks=hooks) as s:
         log = s.log()
         assert httpx.get(s.base_url + "/health").json()["kv"]["slots"] == 1
     assert "clamped from 4 by the RAM guard" in log
     assert "4 KV slots x 360 MiB (8192 tokens x 46080 bytes) = 1440 MiB, with 200 MiB" in log
-    with start_server("--engine", "cpu", "--kv-slots", "4", "--kv-slots-force", env=env) as s:
+    with start_server("--engine", "cpu", "--kv-slots", "4", "--kv-slots-force", hooks=hooks) as s:
         assert httpx.get(s.base_url + "/health").json()["kv"]["slots"] == 4
         assert "kv-slots-force" in s.log()
 

@@ -1,14 +1,15 @@
-"""The engine protocol: what the scheduler needs from a backend, and nothing more.
+"""The engine protocol: everything the scheduler, runtime and CLI use of a backend, and nothing more.
 
 Engines know tensors, not HTTP or sampling. Logits cross this boundary as NumPy float32 so that
-everything above it (sampling, grammar masks, stop strings) is engine-agnostic.
+everything above it (sampling, grammar masks, stop strings) is engine-agnostic. Each engine has one
+cache type: `Engine[C]` takes and returns only its own `C` (a cache of another engine is refused).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -37,40 +38,61 @@ class KVCache(Protocol):
         ...
 
 
-class Engine(Protocol):
-    """A model loaded for inference on one device."""
+C = TypeVar("C", bound=KVCache)
+
+
+class Engine(Protocol[C]):
+    """A model loaded for inference on one device, with its own cache type `C`."""
 
     config: ModelConfig
     name: str  # "cpu" or "mlx"
     device: str  # human-readable device, e.g. "numpy (2 threads)" or "gpu (Metal)"
     weight_bytes: int  # bytes the resident weights take
+    kv_dtype_bytes: int  # bytes per cached key or value element (the RAM guard prices slots with it)
+    quant_summary: str  # how weights were converted at load, for the banner; "" when none were
+    # True when `decode_argmax` saves work over `decode` + a host argmax (it runs on the device and
+    # copies only ids back): the scheduler then uses it for batches that need no host logits.
+    device_argmax: bool
 
-    def new_cache(self, max_tokens: int) -> KVCache:
+    def new_cache(self, max_tokens: int) -> C:
         """An empty cache for up to `max_tokens` positions (memory is allocated as it fills)."""
         ...
 
-    def prefill(self, cache: KVCache, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+    def prefill(self, cache: C, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Append `token_ids` to the cache; logits of the last position `[vocab]`,
         or of every new position `[len(token_ids), vocab]` when `all_logits`."""
         ...
 
-    def decode(self, caches: Sequence[KVCache], token_ids: Sequence[int]) -> np.ndarray:
+    def decode(self, caches: Sequence[C], token_ids: Sequence[int]) -> np.ndarray:
         """One step for several sequences at once (one pass over the weights): appends
         `token_ids[i]` to `caches[i]` and returns logits `[batch, vocab]`."""
         ...
 
-    def truncate(self, cache: KVCache, n: int) -> None:
+    def decode_argmax(self, caches: Sequence[C], token_ids: Sequence[int]) -> np.ndarray:
+        """`decode` followed by a greedy pick: the int64 ids `[batch]` its logits argmax to."""
+        ...
+
+    def truncate(self, cache: C, n: int) -> None:
         """Keep only the first `n` positions."""
         ...
 
-    def copy_prefix(self, src: KVCache, dst: KVCache, n: int) -> None:
+    def copy_prefix(self, src: C, dst: C, n: int) -> None:
         """Make `dst` hold exactly the first `n` positions of `src` (positions kept)."""
         ...
 
-    def save_cache(self, cache: KVCache, path: Path) -> None:
-        """Write the cache's valid positions to `path`."""
+    def save_cache(self, cache: C, path: Path) -> None:
+        """Write the cache's valid positions to exactly `path` (whatever its suffix)."""
         ...
 
-    def load_cache(self, path: Path, max_tokens: int) -> KVCache:
-        """Read a cache written by `save_cache`."""
+    def load_cache(self, path: Path, max_tokens: int) -> C:
+        """Read a cache written by `save_cache` of this model on this engine; ValueError for a
+        file of another model or engine, or one holding more than `max_tokens` positions."""
         ...
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    """`token_ids` as a flat int64 array; ValueError when one is outside the vocabulary."""
+    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token id out of range 0..{vocab_size - 1}")
+    return ids

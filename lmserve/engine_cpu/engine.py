@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmserve.engine.protocol import KVCache
+from lmserve.engine.protocol import Engine, check_token_ids
 from lmserve.engine_cpu import ops
 from lmserve.engine_cpu.cache import CPUCache
 from lmserve.engine_cpu.weights import load_weights
@@ -23,10 +23,13 @@ from lmserve.model.gguf_file import GGUFFile
 PREFILL_CHUNK = 256  # prompt tokens per forward pass: bounds the attention scores' memory
 
 
-class CPUEngine:
+class CPUEngine(Engine[CPUCache]):
     """Llama, Qwen2 and Qwen3 models on NumPy float32."""
 
     name = "cpu"
+    kv_dtype_bytes = 4  # keys and values are cached as float32
+    quant_summary = ""  # every type is dequantized to float32: nothing is converted to report
+    device_argmax = False  # the logits are on the host already: an argmax here saves nothing
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig,
                  progress: Callable[[int, int], None] | None = None) -> None:
@@ -40,13 +43,13 @@ class CPUEngine:
     def new_cache(self, max_tokens: int) -> CPUCache:
         return CPUCache(self.config, max_tokens)
 
-    def truncate(self, cache: KVCache, n: int) -> None:
+    def truncate(self, cache: CPUCache, n: int) -> None:
         _own(cache).truncate(n)
 
-    def copy_prefix(self, src: KVCache, dst: KVCache, n: int) -> None:
+    def copy_prefix(self, src: CPUCache, dst: CPUCache, n: int) -> None:
         _own(src).copy_prefix_to(_own(dst), n)
 
-    def save_cache(self, cache: KVCache, path: Path) -> None:
+    def save_cache(self, cache: CPUCache, path: Path) -> None:
         _own(cache).save(path)
 
     def load_cache(self, path: Path, max_tokens: int) -> CPUCache:
@@ -54,9 +57,9 @@ class CPUEngine:
 
     # -- inference ---------------------------------------------------------------------------
 
-    def prefill(self, cache: KVCache, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+    def prefill(self, cache: CPUCache, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         c = _own(cache)
-        ids = self._check_ids(token_ids)
+        ids = check_token_ids(token_ids, self.config.vocab_size)
         if len(ids) == 0:
             raise ValueError("prefill needs at least one token")
         c.reserve(c.length + len(ids))
@@ -68,9 +71,9 @@ class CPUEngine:
                 logits.append(self._logits(h))
         return np.concatenate(logits) if all_logits else self._logits(h[-1:])[0]
 
-    def decode(self, caches: Sequence[KVCache], token_ids: Sequence[int]) -> np.ndarray:
+    def decode(self, caches: Sequence[CPUCache], token_ids: Sequence[int]) -> np.ndarray:
         own = [_own(c) for c in caches]
-        ids = self._check_ids(token_ids)
+        ids = check_token_ids(token_ids, self.config.vocab_size)
         if len(own) != len(ids):
             raise ValueError(f"{len(own)} caches but {len(ids)} tokens")
         if len({id(c) for c in own}) != len(own):
@@ -79,11 +82,8 @@ class CPUEngine:
             c.reserve(c.length + 1)
         return self._logits(self._forward(ids, own))
 
-    def _check_ids(self, token_ids: Sequence[int]) -> np.ndarray:
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
-            raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
-        return ids
+    def decode_argmax(self, caches: Sequence[CPUCache], token_ids: Sequence[int]) -> np.ndarray:
+        return self.decode(caches, token_ids).argmax(-1).astype(np.int64)
 
     def _forward(self, ids: np.ndarray, caches: list[CPUCache]) -> np.ndarray:
         """Run rows `ids` through every layer and return the last hidden states `[n, hidden]`.
@@ -125,7 +125,8 @@ class CPUEngine:
         return ops.linear(ops.rms_norm(h, self.weights.output_norm, self.config.rms_eps), self.weights.output)
 
 
-def _own(cache: KVCache) -> CPUCache:
+def _own(cache: object) -> CPUCache:
+    """The cache itself, checked: the scheduler holds caches only as the protocol's `KVCache`."""
     if not isinstance(cache, CPUCache):
         raise TypeError(f"the CPU engine cannot use a {type(cache).__name__}")
     return cache

@@ -3,11 +3,14 @@
 Everything runs on one thread-local stream (as mlx-lm's generation does), so the engine may be
 built on one thread and driven from the scheduler's worker thread. Only the logits of the
 positions asked for are computed and copied to the host; `decode_argmax` keeps even those on
-the device and returns one id per sequence.
+the device and returns one id per sequence. Saved caches are mlx-lm prompt-cache files
+(`save_prompt_cache`), tagged with this model's KV geometry.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +20,9 @@ import mlx.nn as nn
 import numpy as np
 from gguf import GGMLQuantizationType
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
+from lmserve.engine.protocol import Engine, check_token_ids
 from lmserve.engine_mlx import disk_cache
 from lmserve.engine_mlx.kv import Batch, MLXKVCache
 from lmserve.engine_mlx.model import build_model, gguf_names
@@ -27,7 +31,7 @@ from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile
 
 PREFILL_CHUNK = 2048  # positions per forward pass during prefill (mlx-lm's default step)
-KV_FORMAT = "lmserve-mlx-kv-1"
+KV_FORMAT = "lmserve-mlx-kv-2"  # an mlx-lm prompt-cache file with our metadata
 
 Progress = Callable[[int, int], None]
 
@@ -63,10 +67,11 @@ class _Speculation:
                 and self.inputs is not None and np.array_equal(self.inputs, np.asarray(token_ids)))
 
 
-class MLXEngine:
+class MLXEngine(Engine[MLXKVCache]):
     """A GGUF model on MLX's default device (Metal on a Mac, CUDA or the CPU backend elsewhere)."""
 
     name = "mlx"
+    device_argmax = True  # decode_argmax copies one id per row instead of the logits
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig, progress: Progress | None = None,
                  cache_dir: Path | None = None) -> None:
@@ -111,10 +116,7 @@ class MLXEngine:
         return self.model.lm_head(h)
 
     def _check_ids(self, token_ids: Sequence[int]) -> np.ndarray:
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
-            raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
-        return ids.astype(np.uint32)
+        return check_token_ids(token_ids, self.config.vocab_size).astype(np.uint32)
 
     def _step(self, caches: Sequence[MLXKVCache], tokens: mx.array) -> mx.array:
         """Lazy logits `[batch, vocab]` of one decode step, whose K/V the caches' layers take
@@ -228,28 +230,42 @@ class MLXEngine:
         return layer
 
     def save_cache(self, cache: MLXKVCache, path: Path) -> None:
-        arrays: dict[str, mx.array] = {}
+        n = cache.n
         with mx.stream(self.stream):
             self._settle()
-            for i, layer in enumerate(cache.own()):
-                if cache.n:
-                    arrays[f"{i}.keys"] = layer.keys[..., :cache.n, :]
-                    arrays[f"{i}.values"] = layer.values[..., :cache.n, :]
-            with Path(path).open("wb") as f:
-                mx.save_safetensors(f, arrays, {"format": KV_FORMAT, "geometry": self._geometry,
-                                                "length": str(cache.n)})
+            layers = [self._exact(layer, n) for layer in cache.own()]
+            with Path(path).open("wb") as f:  # a file object: mx.save_safetensors adds no suffix
+                save_prompt_cache(f, layers, {"format": KV_FORMAT, "geometry": self._geometry, "length": str(n)})
 
     def load_cache(self, path: Path, max_tokens: int) -> MLXKVCache:
-        with mx.stream(self.stream):
-            arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
-            if metadata.get("format") != KV_FORMAT or metadata.get("geometry") != self._geometry:
-                raise ValueError(f"{path} is not a KV cache of this model on this engine")
-            n = int(metadata["length"])
+        refused = ValueError(f"{path} is not a KV cache of this model on this engine")
+        with mx.stream(self.stream), tempfile.TemporaryDirectory() as tmp:
+            # mx.load names the format by the file's extension, which the caller's path may lack.
+            named = Path(tmp) / "cache.safetensors"
+            os.symlink(Path(path).resolve(strict=True), named)  # a missing file: OSError
+            try:  # anything but our own file fails in here one way or another
+                layers, metadata = load_prompt_cache(str(named), return_metadata=True)
+                ours = metadata.get("format") == KV_FORMAT and metadata.get("geometry") == self._geometry
+                n = int(metadata["length"])
+            except (OSError, RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+                raise refused from exc
+            if not ours or len(layers) != self.config.n_layers or any(
+                    type(layer) is not KVCache or layer.offset != n for layer in layers):
+                raise refused
             if n > max_tokens:
                 raise ValueError(f"{path} holds {n} positions, more than {max_tokens}")
             cache = self.new_cache(max_tokens)
-            cache.layers = [self._fresh(arrays.get(f"{i}.keys"), arrays.get(f"{i}.values"), n)
-                            for i in range(self.config.n_layers)]
+            cache.layers = [self._fresh(layer.keys, layer.values, n) for layer in layers]
             mx.eval([(layer.keys, layer.values) for layer in cache.layers if layer.keys is not None])
         cache.n = n
         return cache
+
+    @staticmethod
+    def _exact(layer: KVCache, n: int) -> KVCache:
+        """A view of `layer` holding exactly its first `n` positions, so that its `state` (what
+        save_prompt_cache writes) has no preallocated slack."""
+        exact = KVCache()
+        if n:
+            exact.keys, exact.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+            exact.offset = n
+        return exact

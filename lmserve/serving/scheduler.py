@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,10 +37,6 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
     """The server is draining; the caller answers 503."""
-
-
-class InjectedFault(RuntimeError):
-    """Raised by the test-only fault hook (LMSERVE_TEST_FAULTS; see Scheduler._inject_fault)."""
 
 
 @dataclass
@@ -75,11 +70,9 @@ class Scheduler:
         slots: SlotPool,
         max_queue: int = 16,
         max_batch: int = 1,
-        fault_marker: str | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         self.engine = engine
-        self.fault_marker = fault_marker  # test hook, None (inert) unless LMSERVE_TEST_FAULTS is set
         self.tokenizer = tokenizer
         self.slots = slots
         self.ctx = slots.ctx
@@ -93,7 +86,6 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="lmserve-worker", daemon=True)
-        self._device_argmax: Callable | None = getattr(engine, "decode_argmax", None)
 
     # -- connection side ---------------------------------------------------------------------
 
@@ -227,10 +219,10 @@ class Scheduler:
     def _step(self) -> None:
         caches = [s.cache for s in self._active]
         tokens = [s.last_token for s in self._active]
-        device_greedy = self._device_argmax and not any(s.job.sampling.needs_host_logits or s.reply.needs_logits
-                                                        for s in self._active)
+        device_greedy = self.engine.device_argmax and not any(
+            s.job.sampling.needs_host_logits or s.reply.needs_logits for s in self._active)
         try:
-            rows = self._device_argmax(caches, tokens) if device_greedy else self.engine.decode(caches, tokens)
+            rows = self.engine.decode_argmax(caches, tokens) if device_greedy else self.engine.decode(caches, tokens)
         except Exception as exc:  # the engine step failed: every sequence in it fails
             log.exception("decode step failed")
             for seq in self._active:
@@ -256,8 +248,6 @@ class Scheduler:
     def _advance(self, seq: _Sequence, logits: np.ndarray | None = None, token: int | None = None) -> bool:
         """Sample (unless the device already did), stream the token; True when the job is over."""
         job = seq.job
-        if self.fault_marker is not None:
-            self._inject_fault(seq)
         if token is None:
             token, adjusted = seq.sampler.sample(seq.reply.mask(logits))
         else:
@@ -279,12 +269,6 @@ class Scheduler:
         if len(seq.generated) >= job.max_tokens or seq.cache.length >= self.ctx:
             return self._finish(seq, "length")
         return False
-
-    def _inject_fault(self, seq: _Sequence) -> None:
-        """Test hook: a request whose prompt contains the marker fails in the worker at its third
-        token, after its reply has started streaming; every other request is untouched."""
-        if len(seq.generated) == 2 and self.fault_marker in self.tokenizer.decode(seq.job.prompt_ids):
-            raise InjectedFault("injected test fault (LMSERVE_TEST_FAULTS)")
 
     def _finish(self, seq: _Sequence, reason: str) -> bool:
         for event in seq.reply.finish():
