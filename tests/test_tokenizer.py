@@ -8,7 +8,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from tokenizers import Regex, pre_tokenizers
+import regex
 
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
 from lmserve.model.pretokenizers import PRE_TOKENIZERS, pre_tokenizer
@@ -182,13 +182,122 @@ def test_unsupported_vocabularies(tmp_path: Path) -> None:
         Tokenizer.from_gguf(write_vocab(tmp_path / "bert.gguf", "bert", ["[CLS]"], [3]))
 
 
+# Pieces as llama.cpp's pre-tokenizer (llama-vocab.cpp, `llm_tokenizer_bpe`) cuts each sample, worked
+# out by hand from its regexes: contractions, digit groups, leading spaces, newlines, punctuation runs.
+SPLIT_SAMPLES = ("Hello, it's 2024!  日本語\n", "I'LL say we've got 1234567 ...!?\n\n\tgo   ",
+                 "HTTPServer iPhone don't", "x = a+b;\r\n  return", "WE'RE HERE'S 3.14")
+EXPECTED_SPLITS = {
+    "gpt-2": [  # 's|'t|...| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S): lower-case contractions only
+        ["Hello", ",", " it", "'s", " 2024", "!", " ", " 日本語", "\n"],
+        ["I", "'", "LL", " say", " we", "'ve", " got", " 1234567", " ...!?", "\n\n", "\t", "go", "   "],
+        ["HTTPServer", " iPhone", " don", "'t"],
+        ["x", " =", " a", "+", "b", ";", "\r\n ", " return"],
+        ["WE", "'", "RE", " HERE", "'", "S", " 3", ".", "14"],
+    ],
+    "smollm": [  # single digits first, then gpt-2
+        ["Hello", ",", " it", "'s", " ", "2", "0", "2", "4", "!", " ", " 日本語", "\n"],
+        ["I", "'", "LL", " say", " we", "'ve", " got", " ", "1", "2", "3", "4", "5", "6", "7", " ...!?", "\n\n",
+         "\t", "go", "   "],
+        ["HTTPServer", " iPhone", " don", "'t"],
+        ["x", " =", " a", "+", "b", ";", "\r\n ", " return"],
+        ["WE", "'", "RE", " HERE", "'", "S", " ", "3", ".", "1", "4"],
+    ],
+    "default": [  # punctuation runs, gpt-2, digit runs, then groups of three digits
+        ["Hello", ",", " it", "'", "s", " ", "202", "4", "!", " ", " 日本語", "\n"],
+        ["I", "'", "LL", " say", " we", "'", "ve", " got", " ", "123", "456", "7", " ", "...!?", "\n\n", "\t", "go",
+         "   "],
+        ["HTTPServer", " iPhone", " don", "'", "t"],
+        ["x", " ", "=", " a", "+", "b", ";", "\r\n ", " return"],
+        ["WE", "'", "RE", " HERE", "'", "S", " ", "3", ".", "14"],
+    ],
+    "llama-bpe": [  # any-case contractions, \p{N}{1,3}, a non-letter glued to the word after it
+        ["Hello", ",", " it", "'s", " ", "202", "4", "!", " ", " 日本語", "\n"],
+        ["I", "'LL", " say", " we", "'ve", " got", " ", "123", "456", "7", " ...!?\n\n", "\tgo", "   "],
+        ["HTTPServer", " iPhone", " don", "'t"],
+        ["x", " =", " a", "+b", ";\r\n", " ", " return"],
+        ["WE", "'RE", " HERE", "'S", " ", "3", ".", "14"],
+    ],
+    "qwen2": [  # as llama3 with single digits
+        ["Hello", ",", " it", "'s", " ", "2", "0", "2", "4", "!", " ", " 日本語", "\n"],
+        ["I", "'LL", " say", " we", "'ve", " got", " ", "1", "2", "3", "4", "5", "6", "7", " ...!?\n\n", "\tgo",
+         "   "],
+        ["HTTPServer", " iPhone", " don", "'t"],
+        ["x", " =", " a", "+b", ";\r\n", " ", " return"],
+        ["WE", "'RE", " HERE", "'S", " ", "3", ".", "1", "4"],
+    ],
+    "gpt-4o": [  # case-aware words carrying their contraction, \p{N}{1,3}
+        ["Hello", ",", " it's", " ", "202", "4", "!", " ", " 日本語", "\n"],
+        ["I'LL", " say", " we've", " got", " ", "123", "456", "7", " ...!?\n\n", "\tgo", "   "],
+        ["HTTPServer", " i", "Phone", " don't"],
+        ["x", " =", " a", "+b", ";\r\n", " ", " return"],
+        ["WE'RE", " HERE'S", " ", "3", ".", "14"],
+    ],
+    "deepseek-v3": [  # digit groups and CJK runs isolated before the main regex
+        ["Hello", ",", " it", "'s", " ", "202", "4", "!", "  ", "日本語", "\n"],
+        ["I", "'LL", " say", " we", "'ve", " got", " ", "123", "456", "7", " ...!?\n\n", "\tgo", "   "],
+        ["HTTPServer", " iPhone", " don", "'t"],
+        ["x", " =", " a", "+b", ";\r\n", " ", " return"],
+        ["WE", "'RE", " HERE", "'S", " ", "3", ".", "14"],
+    ],
+}
+
+
+def pre_tokenize(tok: Tokenizer, text: str) -> list[str]:
+    """The pieces the tokenizer's own pre-tokenizer cuts `text` into, byte-level stand-ins undone."""
+    pieces = tok.backend.pre_tokenizer.pre_tokenize_str(text)
+    return [bytes(BYTE_LEVEL_CHARS[c] for c in piece).decode() for piece, _ in pieces]
+
+
+def regex_split(regexes: tuple[str, ...], text: str) -> list[str]:
+    """llama.cpp's `unicode_regex_split` with the `regex` module: each regex in turn cuts every piece
+    the one before left into its matches and the text between them."""
+    pieces = [text]
+    for expr in regexes:
+        out: list[str] = []
+        for piece in pieces:
+            at = 0
+            for m in regex.finditer(expr, piece):
+                out += [s for s in (piece[at:m.start()], m.group()) if s]
+                at = m.end()
+            out += [piece[at:]] if at < len(piece) else []
+        pieces = out
+    return pieces
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_SPLITS))
+def test_pre_tokenizer_splits_as_llama_cpp(tmp_path: Path, name: str) -> None:
+    tok = bpe_vocab(tmp_path, name)
+    for text, expected in zip(SPLIT_SAMPLES, EXPECTED_SPLITS[name], strict=True):
+        assert pre_tokenize(tok, text) == expected, text
+
+
 @pytest.mark.parametrize("name", sorted(PRE_TOKENIZERS))
-def test_pre_tokenizer_regexes_compile(name: str) -> None:
-    pre = pre_tokenizer(name)
-    assert pre is not None
-    splitter = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes])
-    pieces = splitter.pre_tokenize_str("Hello, it's 2024!  日本語\n")
-    assert "".join(p for p, _ in pieces) == "Hello, it's 2024!  日本語\n"
+def test_pre_tokenizer_regexes_split_as_the_regex_module_does(tmp_path: Path, name: str) -> None:
+    """Every table entry compiles in `tokenizers` and cuts as its regexes do under Python's `regex`."""
+    tok = bpe_vocab(tmp_path, name)
+    regexes = pre_tokenizer(name).regexes
+    for text in SPLIT_SAMPLES:
+        expected = regex_split(regexes, text)
+        assert len(expected) > 1 and "".join(expected) == text  # the sample does get split
+        assert pre_tokenize(tok, text) == expected, text
+
+
+def test_smollm2_pre_tokenizer_pins_the_golden_splits(smollm2: Tokenizer, tokenizer_goldens: list[dict]) -> None:
+    """BPE merges never cross a piece boundary, so each cut must fall between two of the ids llama.cpp
+    gave: a split that cuts where llama.cpp does not fails here (one that cuts too little fails the
+    goldens and the tables above)."""
+    plain = [case for case in tokenizer_goldens if not set(case["ids"]) & smollm2.special_ids]
+    assert len(plain) > 10
+    for case in plain:
+        cuts, at = set(), 0
+        for piece in pre_tokenize(smollm2, case["text"]):
+            at += len(piece.encode())
+            cuts.add(at)
+        ends, at = set(), 0
+        for i in case["ids"]:
+            at += len(smollm2.token_bytes(i))
+            ends.add(at)
+        assert cuts <= ends, case["text"]
 
 
 def test_pre_tokenizer_default_when_unnamed() -> None:
