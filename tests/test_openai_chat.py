@@ -156,6 +156,28 @@ def test_prompt_longer_than_context_names_both_numbers(smollm2_server):
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
 
 
-def test_unknown_route_is_404_in_openai_envelope(smollm2_server):
-    r = httpx.get(smollm2_server.base_url + "/v1/nope")
-    assert r.status_code == 404 and "error" in r.json()
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/nope"), ("POST", "/v1/chat/nope"), ("GET", "/nope")])
+def test_unknown_route_is_404_in_openai_envelope(smollm2_server, method, path):
+    r = httpx.request(method, smollm2_server.base_url + path, json={} if method == "POST" else None, timeout=30)
+    assert r.status_code == 404 and r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    error = body["error"]
+    assert error["type"] == "not_found_error" and error["param"] is None and error["code"] is None
+    assert isinstance(error["message"], str) and error["message"]
+
+
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/messages/nope"), ("POST", "/v1/messages/batches")])
+def test_unknown_route_under_messages_is_404_in_anthropic_envelope(smollm2_server, method, path):
+    r = httpx.request(method, smollm2_server.base_url + path, json={} if method == "POST" else None, timeout=30)
+    assert r.status_code == 404 and r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error"
+    assert set(body["error"]) == {"type", "message"} and body["error"]["type"] == "not_found_error"
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+
+
+def test_unknown_route_message_names_the_path(smollm2_server):
+    """As OpenAI's API words it: "Invalid URL (GET /v1/nope)"."""
+    r = httpx.get(smollm2_server.base_url + "/v1/nope", timeout=30)
+    assert r.json()["error"]["message"].startswith("Invalid URL (GET /v1/nope)")

@@ -16,7 +16,7 @@ import pytest
 from lmserve.core.errors import RequestError
 from lmserve.core.events import Event, Failed, TextDelta
 from lmserve.core.types import Message, ToolCall
-from lmserve.http.openai_responses import ResponseRenderer, parse_input, parse_responses
+from lmserve.http.openai_responses import ResponseRenderer, parse_responses
 from lmserve.http.response_store import ResponseStore
 from tests.conftest import CLIENTS
 from tests.openai_spec import validate
@@ -171,7 +171,7 @@ def test_accepted_and_ignored_fields(smollm2_server):
     ({"input": "hi", "tool_choice": "required"}, 400, "tool_choice"),
     ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
      400, "tool_choice"),
-    ({"input": "hi", "tool_choice": {"type": "web_search_preview"}}, 400, "tool_choice"),
+    ({"input": "hi", "tool_choice": {"type": "web_search_preview"}}, 400, "tool_choice.type"),
     ({"input": "hi", "text": {"format": {"type": "xml"}}}, 400, "text.format.type"),
     ({"input": "hi", "previous_response_id": "resp_never_was"}, 404, "previous_response_id"),
 ])
@@ -223,7 +223,7 @@ def test_input_items_become_tool_call_history():
         {"type": "function_call_output", "call_id": "c1", "output": "a.txt"},
         {"type": "custom_tool_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "ok"}]},
     ]
-    assert parse_input(items) == [
+    assert parse_responses({"input": items}, VOCAB, ResponseStore()).conversation == [
         Message("user", "List files"),
         Message("assistant", "Listing.", reasoning="use ls",
                 tool_calls=[ToolCall("c1", "exec", '{"cmd":"ls"}'), ToolCall("c2", "apply_patch", "*** Begin")]),
@@ -237,7 +237,8 @@ def test_instructions_and_leading_developer_items_form_one_system_turn():
                                            {"role": "system", "content": "D"}]}
     call = parse_responses(body, VOCAB, ResponseStore())
     assert call.chat.messages == [Message("system", "A\n\nB"), Message("user", "C"), Message("system", "D")]
-    assert call.conversation == parse_input(body["input"])  # instructions are not carried over
+    assert call.conversation == parse_responses({"input": body["input"]}, VOCAB, ResponseStore()).conversation
+    assert call.conversation[0] == Message("system", "B")  # instructions are not carried over
 
 
 def test_store_evicts_oldest_by_count_and_bytes():

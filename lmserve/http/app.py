@@ -13,14 +13,16 @@ from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
 from litestar.static_files import create_static_files_router
+from msgspec import Struct
 
 from lmserve import __version__
 from lmserve.core.errors import RequestError, invalid
 from lmserve.core.events import Failed
 from lmserve.core.types import ChatRequest
-from lmserve.http import fields, openapi
+from lmserve.http import openapi
 from lmserve.http.access import RECORD_KEY, AccessLog
 from lmserve.http.anthropic import MessageRenderer, parse_messages
+from lmserve.http.chat_schema import ChatCompletionsBody, CompletionsBody
 from lmserve.http.common import (
     ErrorRenderer,
     MultiRenderer,
@@ -34,16 +36,29 @@ from lmserve.http.common import (
 )
 from lmserve.http.errors import anthropic_error, openai_error, renderer_for_path
 from lmserve.http.guard import Guard, GuardOptions
+from lmserve.http.messages_schema import CountTokensBody, MessagesBody
 from lmserve.http.metrics import Metrics
 from lmserve.http.openai_chat import ChatRenderer, parse_chat
 from lmserve.http.openai_completions import CompletionRenderer, parse_completion
 from lmserve.http.openai_responses import ResponseRenderer, parse_responses
 from lmserve.http.response_store import ResponseStore
+from lmserve.http.responses_schema import ResponsesBody
+from lmserve.http.structs import NonNegative, decode
 from lmserve.runtime import Runtime
 from lmserve.serving.handle import Observer, RequestHandle
 
 log = logging.getLogger("lmserve.http")
 STATIC = Path(__file__).parent / "static"
+
+
+class TokenizeBody(Struct):
+    content: str
+    add_special: bool | None = None
+    with_pieces: bool | None = None
+
+
+class DetokenizeBody(Struct):
+    tokens: list[NonNegative] = []
 
 
 def both(path: str) -> list[str]:
@@ -62,6 +77,7 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
             "owned_by": "lmserve",
             "context_window": runtime.ctx,
             "max_model_len": runtime.ctx,
+            "meta": runtime.model_info(),
         }
 
     keepalive = runtime.options.keepalive
@@ -83,7 +99,7 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
         handle = runtime.start_chat(chat, observer_of(request))
         return await answer(request, [handle], chat.stream, OneOf(renderer), render_error)
 
-    @post(both("/v1/chat/completions"), status_code=200, operation_class=openapi.json_body(openapi.CHAT))
+    @post(both("/v1/chat/completions"), status_code=200, operation_class=openapi.json_body(ChatCompletionsBody))
     async def chat_completions(request: Request) -> Response:
         chat, options = parse_chat(await read_json(request), model.tokenizer.vocab_size)
         return await generate(request, chat, ChatRenderer(model.model_id, chat.sampling.logprobs, options),
@@ -91,18 +107,18 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
 
     responses_store = ResponseStore()
 
-    @post(both("/v1/responses"), status_code=200, operation_class=openapi.json_body(openapi.RESPONSES))
+    @post(both("/v1/responses"), status_code=200, operation_class=openapi.json_body(ResponsesBody))
     async def responses(request: Request) -> Response:
         call = parse_responses(await read_json(request), model.tokenizer.vocab_size, responses_store)
         return await generate(request, call.chat, ResponseRenderer(model.model_id, call, responses_store),
                               openai_error)
 
-    @post(both("/v1/messages"), status_code=200, operation_class=openapi.json_body(openapi.MESSAGES))
+    @post(both("/v1/messages"), status_code=200, operation_class=openapi.json_body(MessagesBody))
     async def messages(request: Request) -> Response:
         chat = parse_messages(await read_json(request), model.tokenizer.vocab_size)
         return await generate(request, chat, MessageRenderer(model.model_id), anthropic_error)
 
-    @post(both("/v1/completions"), status_code=200, operation_class=openapi.json_body(openapi.COMPLETIONS))
+    @post(both("/v1/completions"), status_code=200, operation_class=openapi.json_body(CompletionsBody))
     async def completions(request: Request) -> Response:
         call = parse_completion(await read_json(request), model.tokenizer)
         handles = runtime.start_completion(call.prompts, call.sampling, call.max_tokens, call.stop,
@@ -111,10 +127,9 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
         return await answer(request, handles, call.stream, renderer, openai_error)
 
     @post(both("/v1/messages/count_tokens"), status_code=200,
-          operation_class=openapi.json_body(openapi.COUNT_TOKENS))
+          operation_class=openapi.json_body(CountTokensBody))
     async def count_tokens(request: Request) -> Response:
-        body = await read_json(request)
-        chat = parse_messages(body, model.tokenizer.vocab_size, require_max_tokens=False)
+        chat = parse_messages(await read_json(request), model.tokenizer.vocab_size, require_max_tokens=False)
         return json_response({"input_tokens": runtime.count_prompt_tokens(chat)})
 
     @get(both("/v1/models"))
@@ -135,6 +150,7 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
                 "engine": runtime.engine.name,
                 "device": runtime.engine.device,
                 "context": runtime.ctx,
+                "model_info": runtime.model_info(),
                 "queue_depth": scheduler.queue_depth,
                 "active_sequences": scheduler.active_sequences,
                 "tokens_generated": scheduler.tokens_generated,
@@ -153,27 +169,21 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
     async def chat_page() -> Response:
         return Response((STATIC / "index.html").read_bytes(), media_type=MediaType.HTML)
 
-    @post("/tokenize", status_code=200, operation_class=openapi.json_body(openapi.TOKENIZE))
+    @post("/tokenize", status_code=200, operation_class=openapi.json_body(TokenizeBody))
     async def tokenize(request: Request) -> Response:
-        body = await read_json(request)
-        content = fields.string(body, "content")
-        if content is None:
-            raise invalid("content", "is required and must be a string")
-        ids = model.tokenizer.encode(
-            content, add_special=fields.boolean(body, "add_special", False), parse_special=True
-        )
-        if fields.boolean(body, "with_pieces"):
+        body = decode(await read_json(request), TokenizeBody)
+        ids = model.tokenizer.encode(body.content, add_special=body.add_special is True, parse_special=True)
+        if body.with_pieces:
             tokens: list[Any] = [{"id": i, "piece": _piece_json(model.tokenizer.token_bytes(i))} for i in ids]
         else:
             tokens = ids
         return json_response({"tokens": tokens})
 
-    @post("/detokenize", status_code=200, operation_class=openapi.json_body(openapi.DETOKENIZE))
+    @post("/detokenize", status_code=200, operation_class=openapi.json_body(DetokenizeBody))
     async def detokenize(request: Request) -> Response:
-        body = await read_json(request)
-        ids = fields.array(body, "tokens")
+        ids = decode(await read_json(request), DetokenizeBody).tokens
         vocab = model.tokenizer.vocab_size
-        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids):
+        if not all(i < vocab for i in ids):
             raise invalid("tokens", f"must be an array of token ids between 0 and {vocab - 1}")
         return json_response({"content": model.tokenizer.decode(ids)})
 
@@ -235,8 +245,10 @@ def _request_error(request: Request, exc: RequestError) -> Response:
 
 
 def _http_error(request: Request, exc: HTTPException) -> Response:
-    err = RequestError(str(exc.detail), exc.status_code, None)
-    return renderer_for_path(request.url.path)(err)
+    message = str(exc.detail)
+    if exc.status_code in (404, 405):  # as OpenAI's API words it: the request that matched nothing
+        message = f"Invalid URL ({request.method} {request.url.path}): {message.lower()}"
+    return renderer_for_path(request.url.path)(RequestError(message, exc.status_code, None))
 
 
 def _crash(request: Request, exc: Exception) -> Response:

@@ -73,7 +73,8 @@ class Metrics:
                     "# TYPE lmserve_client_closed_total counter"]
             out += [f'lmserve_client_closed_total{{route="{_label(route)}"}} {n}'
                     for route, n in sorted(self.client_closed.items())]
-            for kind, help_text in (("prompt", "Prompt tokens received."), ("completion", "Tokens generated."),
+            for kind, help_text in (("prompt", "Prompt tokens of requests that finished."),
+                                    ("completion", "Tokens of replies that finished (not of those whose client left)."),
                                     ("cached", "Prompt tokens served from the KV cache.")):
                 name = f"lmserve_{kind}_tokens_total"
                 out += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {self.tokens[kind]}"]

@@ -11,9 +11,10 @@ from typing import Any
 from lmserve.core.errors import invalid
 from lmserve.core.events import Event, Failed, Finished, KeepAlive, TextDelta, TokenLogprob, Usage
 from lmserve.core.types import OutputFormat, SamplingParams
-from lmserve.http import fields
+from lmserve.http.chat_schema import CompletionsBody
 from lmserve.http.common import KEEPALIVE_COMMENT, sse
-from lmserve.http.openai_chat import parse_output_format, parse_sampling, usage_json
+from lmserve.http.openai_chat import response_format, sampling_params, stop_strings, usage_json
+from lmserve.http.structs import decode
 from lmserve.model.tokenizer import Tokenizer
 
 
@@ -28,42 +29,36 @@ class CompletionCall:
     output_format: OutputFormat | None = None  # response_format or a grammar extension, as on chat
 
 
-def parse_prompts(value: Any, tokenizer: Tokenizer) -> list[list[int]]:
+def parse_prompts(value: str | list[Any], tokenizer: Tokenizer) -> list[list[int]]:
     """A string, a list of strings, a list of token ids, or a list of such lists."""
     def ids(item: Any, where: str) -> list[int]:
         if isinstance(item, str):
             return tokenizer.encode(item, add_special=True, parse_special=True)
-        if isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-            if not all(0 <= t < tokenizer.vocab_size for t in item):
+        if isinstance(item, list) and item and all(isinstance(t, int) for t in item):
+            if not all(t < tokenizer.vocab_size for t in item):
                 raise invalid(where, f"token ids must be between 0 and {tokenizer.vocab_size - 1}")
             return list(item)
         raise invalid(where, "must be a string, an array of strings, or an array of token ids")
 
-    if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value) \
-            and not all(isinstance(t, int) for t in value):
+    if value and isinstance(value, list) and all(isinstance(p, str | list) for p in value):
         return [ids(p, f"prompt[{i}]") for i, p in enumerate(value)]
     return [ids(value, "prompt")]
 
 
-def parse_completion(body: dict[str, Any], tokenizer: Tokenizer) -> CompletionCall:
-    if "prompt" not in body:
-        raise invalid("prompt", "is required")
-    prompts = parse_prompts(body["prompt"], tokenizer)
-    if fields.boolean(body, "echo"):
+def parse_completion(raw: dict[str, Any], tokenizer: Tokenizer) -> CompletionCall:
+    body = decode(raw, CompletionsBody)
+    prompts = parse_prompts(body.prompt, tokenizer)
+    if body.echo:
         raise invalid("echo", "echoing the prompt is not supported")
-    if body.get("suffix") is not None:
+    if body.suffix is not None:
         raise invalid("suffix", "insertion (suffix) is not supported")
-    if fields.integer(body, "n", 1, 1) != 1 or fields.integer(body, "best_of", 1, 1) != 1:
+    if body.n not in (None, 1) or body.best_of not in (None, 1):
         raise invalid("n", "only n=1 (and best_of=1) is supported")
-    output_format = parse_output_format(body, fields.obj(body, "response_format"), "response_format", nested=True)
-    sampling = parse_sampling(body, tokenizer.vocab_size)
-    top = fields.integer(body, "logprobs", None, 0, 20)
-    sampling.logprobs, sampling.top_logprobs = top is not None, top or 0
-    stream = fields.boolean(body, "stream")
-    options = fields.obj(body, "stream_options")
-    return CompletionCall(prompts, sampling, fields.integer(body, "max_tokens", 16, 1),
-                          fields.stop_strings(body, "stop"), stream, fields.boolean(options, "include_usage"),
-                          output_format)
+    sampling = sampling_params(body, tokenizer.vocab_size)
+    sampling.logprobs, sampling.top_logprobs = body.logprobs is not None, body.logprobs or 0
+    include_usage = body.stream_options is not None and body.stream_options.include_usage is True
+    return CompletionCall(prompts, sampling, body.max_tokens or 16, stop_strings(body.stop),
+                          body.stream is True, include_usage, response_format(body, body.response_format))
 
 
 def legacy_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:

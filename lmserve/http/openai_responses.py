@@ -10,31 +10,26 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from lmserve.core.errors import invalid
 from lmserve.core.events import Event, Failed, Finished, KeepAlive, Usage
 from lmserve.core.types import ChatRequest, Message, Tool, ToolCall
-from lmserve.http import fields
+from lmserve.http import responses_schema as schema
 from lmserve.http.common import KEEPALIVE_COMMENT, sse
 from lmserve.http.openai_chat import (
     ROLE_ALIASES,
-    parse_output_format,
-    parse_sampling,
-    parse_tool_choice,
+    output_format,
     reasoning_requested,
+    sampling_params,
+    stop_strings,
     template_kwargs,
     text_content,
+    tool_choice,
 )
 from lmserve.http.response_store import ResponseStore
 from lmserve.http.responses_output import Frame, OutputItems
-
-INPUT_ROLES = ("developer", "system", "user", "assistant")
-TEXT_PARTS = ("input_text", "output_text")
-CALL_ITEMS = {"function_call": "arguments", "custom_tool_call": "input"}  # item type -> its argument field
-OUTPUT_ITEMS = ("function_call_output", "custom_tool_call_output")
-# Hosted and built-in tool items (web_search_call, local_shell_call, ...) and compaction state only
-# OpenAI can read: history the model here could not have produced, so it is dropped, not rejected.
-DROPPED_ITEM_SUFFIXES = ("_call", "_call_output")
-DROPPED_ITEMS = ("compaction",)
+from lmserve.http.structs import decode
 
 
 @dataclass
@@ -71,91 +66,45 @@ class _History:
             self.add(Message("assistant", tool_calls=[call]))
 
 
-def _string_field(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise invalid(f"{where}.{key}", "must be a string")
-    return value
+def _reasoning_text(item: schema.ReasoningItem) -> str:
+    """Readable reasoning of a reasoning item: its full text if sent, else its summary."""
+    return "".join(p.text for p in item.content or []) or "".join(p.text for p in item.summary or [])
 
 
-def _reasoning_text(item: dict[str, Any]) -> str:
-    """Readable reasoning of a reasoning item (full text if sent, else its summary); encrypted
-    content is OpenAI's alone and is dropped."""
-    for key in ("content", "summary"):
-        parts = item.get(key)
-        if isinstance(parts, list):
-            text = "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
-            if text:
-                return text
-    return ""
-
-
-def parse_input(value: Any) -> list[Message]:
-    """`input`: a string (one user turn) or an array of typed items."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [Message("user", value)]
-    if not isinstance(value, list):
-        raise invalid("input", "must be a string or an array of input items")
+def input_messages(value: str | list[schema.InputItem | None] | None) -> list[Message]:
+    """`input`: a string (one user turn) or an array of typed items (null: a dropped one)."""
+    if value is None or isinstance(value, str):
+        return [Message("user", value)] if value is not None else []
     history = _History()
-    for i, item in enumerate(value):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise invalid(where, "must be an object")
-        kind = item.get("type", "message" if "role" in item else None)
-        if not isinstance(kind, str):  # (and a list or object is unhashable)
-            raise invalid(f"{where}.type", "must be a string naming the item type")
-        if kind == "message":
-            role = item.get("role")
-            if role not in INPUT_ROLES:
-                raise invalid(f"{where}.role", f"unknown role {role!r}; expected one of {', '.join(INPUT_ROLES)}")
-            history.add(Message(ROLE_ALIASES[role], text_content(item.get("content"), f"{where}.content",
-                                                                 TEXT_PARTS)))
-        elif kind in CALL_ITEMS:
-            call_id = _string_field(item, "call_id", where)
-            args = _string_field(item, CALL_ITEMS[kind], where)
-            history.call(ToolCall(call_id, _string_field(item, "name", where), args))
-        elif kind in OUTPUT_ITEMS:
-            call_id = _string_field(item, "call_id", where)
-            output = text_content(item.get("output"), f"{where}.output", TEXT_PARTS)
-            history.add(Message("tool", output, tool_call_id=call_id, name=history.call_names.get(call_id)))
-        elif kind == "reasoning":
+    for item in value:
+        if isinstance(item, schema.MessageItem):
+            history.add(Message(ROLE_ALIASES.get(item.role, item.role), text_content(item.content)))
+        elif isinstance(item, schema.FunctionCallItem | schema.CustomToolCallItem):
+            args = item.arguments if isinstance(item, schema.FunctionCallItem) else item.input
+            history.call(ToolCall(item.call_id, item.name, args))
+        elif isinstance(item, schema.FunctionCallOutputItem):
+            history.add(Message("tool", text_content(item.output), tool_call_id=item.call_id,
+                                name=history.call_names.get(item.call_id)))
+        elif isinstance(item, schema.ReasoningItem):
             history.reasoning.append(_reasoning_text(item))
-        elif kind.endswith(DROPPED_ITEM_SUFFIXES) or kind in DROPPED_ITEMS:
-            continue
-        else:
-            raise invalid(f"{where}.type", f"unsupported input item type {kind!r}")
     return history.messages
 
 
-def _function_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
-    name = tool.get("name")
-    if not isinstance(name, str) or not name:
-        raise invalid(f"{where}.name", "must be a non-empty string")
-    parameters = tool.get("parameters")
-    if parameters is not None and not isinstance(parameters, dict):
-        raise invalid(f"{where}.parameters", "must be a JSON schema object")
-    description = tool.get("description")
-    return {"type": "function", "name": name, "description": description if isinstance(description, str) else None,
-            "parameters": parameters, "strict": tool.get("strict") is True}
+def _function_tool(tool: schema.FunctionTool) -> dict[str, Any]:
+    return {"type": "function", "name": tool.name, "description": tool.description,
+            "parameters": tool.parameters, "strict": tool.strict is True}
 
 
-def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """Function tools, with Codex's `namespace` groups flattened to their functions. Hosted tool
-    types (web_search, file_search, ...) are dropped, never rejected: clients send them always."""
-    tools: list[dict[str, Any]] = []
-    for i, tool in enumerate(fields.array(body, "tools")):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
-            raise invalid(where, "must be an object with a string `type`")
-        if tool["type"] == "function":
-            tools.append(_function_tool(tool, where))
-        elif tool["type"] == "namespace":
-            members = fields.array(tool, "tools", name=f"{where}.tools")
-            tools.extend(_function_tool(t, f"{where}.tools[{j}]") for j, t in enumerate(members)
-                         if isinstance(t, dict) and t.get("type") == "function")
-    return tools
+def function_tools(tools: schema.ResponsesTools | None) -> list[dict[str, Any]]:
+    """Function tools, with Codex's `namespace` groups flattened to their functions (hosted tool
+    types were dropped: clients send them always)."""
+    out: list[dict[str, Any]] = []
+    for tool in tools or []:
+        if isinstance(tool, schema.FunctionTool):
+            out.append(_function_tool(tool))
+        elif tool is not None:
+            out.extend(_function_tool(t) for t in tool.tools or [] if t is not None)
+    return out
 
 
 def _merge_leading_system(messages: list[Message]) -> list[Message]:
@@ -167,42 +116,43 @@ def _merge_leading_system(messages: list[Message]) -> list[Message]:
     return [Message("system", "\n\n".join(m.content for m in messages[:n])), *messages[n:]]
 
 
-def parse_responses(body: dict[str, Any], vocab_size: int, store: ResponseStore) -> ResponsesCall:
+def _echo(struct: msgspec.Struct | None) -> Any:
+    return msgspec.to_builtins(struct) if struct is not None else None
+
+
+def parse_responses(raw: dict[str, Any], vocab_size: int, store: ResponseStore) -> ResponsesCall:
     """Validate the whole body first, then continue the stored conversation it names, if any."""
-    instructions = fields.string(body, "instructions")
-    previous_id = fields.string(body, "previous_response_id")
-    keep = fields.boolean(body, "store", True)
+    body = decode(schema.responses_known(raw), schema.ResponsesBody)
     for unsupported in ("conversation", "background"):
-        if body.get(unsupported):
+        if getattr(body, unsupported):
             raise invalid(unsupported, "is not supported by this server; continue with previous_response_id")
-    items = parse_input(body.get("input"))
-    tools = parse_tools(body)
-    text_format = fields.obj(fields.obj(body, "text"), "format", name="text.format")
-    output_format = parse_output_format(body, text_format, "text.format", nested=False)
-    reasoning = fields.obj(body, "reasoning")
-    sampling = parse_sampling(body, vocab_size)
-    max_output_tokens = fields.integer(body, "max_output_tokens", None, 1)
-    stop = fields.stop_strings(body, "stop")
-    stream = fields.boolean(body, "stream")
-    session_id = fields.string(body, "prompt_cache_key")
+    items = input_messages(body.input)
+    tools = function_tools(body.tools)
+    text_format = (body.text.format if body.text is not None else None) or schema.TextFormat()
+    fmt = output_format(body, text_format.type, text_format, "text.format", "text.format")
+    sampling = sampling_params(body, vocab_size)
+    keep = body.store is not False
     echo = {
-        "instructions": instructions, "max_output_tokens": max_output_tokens,
-        "previous_response_id": previous_id, "store": keep, "temperature": sampling.temperature,
-        "top_p": sampling.top_p, "tools": tools, "tool_choice": body.get("tool_choice") or "auto",
-        "parallel_tool_calls": fields.boolean(body, "parallel_tool_calls", True),
-        "metadata": fields.obj(body, "metadata"), "text": {"format": text_format or {"type": "text"}},
-        "truncation": "disabled", "reasoning": reasoning or None,
+        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+        "previous_response_id": body.previous_response_id, "store": keep, "temperature": sampling.temperature,
+        "top_p": sampling.top_p, "tools": tools, "tool_choice": _echo(body.tool_choice) or "auto",
+        "parallel_tool_calls": body.parallel_tool_calls is not False, "metadata": body.metadata or {},
+        "text": {"format": {"type": text_format.type, **_echo(text_format)}}, "truncation": "disabled",
+        "reasoning": _echo(body.reasoning) or None,
     }
-    conversation = [*(store.get(previous_id) if previous_id else []), *items]
+    previous = body.previous_response_id
+    conversation = [*(store.get(previous) if previous else []), *items]
     if not conversation:
         raise invalid("input", "is required: a string or a non-empty array of input items")
-    messages = [Message("system", instructions)] if instructions else []
+    messages = [Message("system", body.instructions)] if body.instructions else []
     messages = _merge_leading_system([*messages, *conversation])
-    chat = ChatRequest(messages, sampling, max_output_tokens, stop, stream, session_id=session_id,
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    chat = ChatRequest(messages, sampling, body.max_output_tokens, stop_strings(body.stop), body.stream is True,
+                       session_id=body.prompt_cache_key,
                        tools=[Tool(t["name"], t["description"], t["parameters"], t["strict"]) for t in tools],
-                       tool_choice=parse_tool_choice(body), output_format=output_format,
-                       reasoning=reasoning_requested(reasoning.get("effort"), "reasoning.effort"),
-                       template_kwargs=template_kwargs(body))
+                       tool_choice=tool_choice(body.tool_choice), output_format=fmt,
+                       reasoning=reasoning_requested(effort),
+                       template_kwargs=template_kwargs(body.chat_template_kwargs))
     return ResponsesCall(chat, conversation, keep, echo)
 
 
