@@ -18,8 +18,6 @@ from lmserve import __version__
 from lmserve.model.gguf_file import ModelLoadError
 from lmserve.serving.scheduler import PREFILL_CHUNK
 
-DEFAULT_CTX_CAP = 8192
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lmserve-mac", description=(
@@ -29,7 +27,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
     p.add_argument("--ctx", type=int, default=None,
-                   help=f"context size in tokens (default: the model's, capped at {DEFAULT_CTX_CAP})")
+                   help="context size in tokens (default: the model's trained context when one full KV slot "
+                        "of it fits in memory, else the largest multiple of 4096 that fits)")
     p.add_argument("--engine", choices=("auto", "cpu", "mlx"), default="auto",
                    help="auto: MLX when it has a GPU, else the NumPy engine")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for the worker (default 16)")
@@ -110,16 +109,30 @@ def kv_line(runtime) -> str:
     return line
 
 
-def banner(runtime, ready_s: float) -> str:
+def family_line(cfg) -> str:
+    """"Qwen3 MoE (qwen3moe), 48 layers, 30.5B parameters, 3.3B active per token (8 of 128 experts)"."""
+    line = f"{cfg.family} ({cfg.architecture}), {cfg.n_layers} layers, {human_count(cfg.n_params)} parameters"
+    if cfg.is_moe:
+        line += (f", {human_count(cfg.n_active_params)} active per token "
+                 f"({cfg.n_experts_used} of {cfg.n_experts} experts)")
+    return line
+
+
+def human_count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+def banner(runtime, context_reason: str, ready_s: float) -> str:
     cfg = runtime.model.config
     engine = runtime.engine
     mix = ", ".join(f"{k} x{v}" for k, v in cfg.quant_mix.items())
     rows = [
         ("model", f"{runtime.model.model_id} ({runtime.model.path})"),
-        ("architecture", f"{cfg.architecture}, {cfg.n_layers} layers, {cfg.n_params / 1e6:.0f}M parameters"),
+        ("family", family_line(cfg)),
         ("quant mix", mix),
         ("engine", f"{engine.name} on {engine.device}"),
-        ("context", f"{runtime.ctx} tokens (trained {cfg.context_length})"),
+        ("context", f"{runtime.ctx} tokens ({context_reason})"),
+        ("sampling", f"defaults {runtime.sampling_defaults.describe()}"),
         ("weights", human_bytes(engine.weight_bytes)),
         ("batch / queue", f"{runtime.scheduler.max_batch} / {runtime.options.max_queue}"),
         ("KV slots", kv_line(runtime)),
@@ -179,6 +192,7 @@ def serve(args: argparse.Namespace) -> None:
     from lmserve.model.default_model import default_model_path
     from lmserve.model.loader import load_model
     from lmserve.runtime import Runtime, ServerOptions, shutting_down
+    from lmserve.serving.ram_guard import ContextChoice, default_context
 
     process_start = time.time() - seconds_since_process_start()
     loopback = is_loopback_host(args.host)
@@ -188,12 +202,14 @@ def serve(args: argparse.Namespace) -> None:
     path = Path(args.model) if args.model else default_model_path()
     sock = bind_socket(args.host, args.port)
     model = load_model(path)
-    ctx = args.ctx or min(model.config.context_length, DEFAULT_CTX_CAP)
-    if ctx < 16:
-        raise SystemExit(f"lmserve: --ctx {ctx} is too small (at least 16)")
+    if args.ctx is not None and args.ctx < 16:
+        raise SystemExit(f"lmserve: --ctx {args.ctx} is too small (at least 16)")
     if args.prefill_chunk < 0 or args.sse_keepalive <= 0:
         raise SystemExit("lmserve: --prefill-chunk must be 0 or more and --sse-keepalive more than 0")
     engine = load_engine(args.engine, model.gguf, model.config, LoadProgress("loading weights"))
+    context = ContextChoice(args.ctx, "--ctx") if args.ctx else default_context(
+        model.config.context_length, model.config.kv_bytes_per_token(engine.kv_dtype_bytes))
+    ctx = context.tokens
     options = ServerOptions(host=args.host, port=args.port, ctx=ctx, max_queue=args.queue,
                             max_batch=args.batch, api_key=args.api_key, kv_slots=args.kv_slots,
                             kv_slots_force=args.kv_slots_force, kv_cache_dir=args.kv_cache_dir,
@@ -212,7 +228,7 @@ def serve(args: argparse.Namespace) -> None:
                          draining=lambda: runtime.draining, shutdown_error=shutting_down)
     app = server_app(runtime, guard, args.cors)
     ready_s = time.time() - process_start
-    print(banner(runtime, ready_s), flush=True)
+    print(banner(runtime, context.reason, ready_s), flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3, lifespan="off")
     server = GracefulServer(config, runtime)
     # uvicorn re-raises a caught SIGINT/SIGTERM after its graceful shutdown, under the handlers that

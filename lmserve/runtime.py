@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from lmserve.chat.planner import ReplyPlanner
 from lmserve.chat.prompt import PromptBuilder
@@ -19,6 +20,7 @@ from lmserve.chat.reply import ReplyPlan
 from lmserve.core.errors import RequestError
 from lmserve.core.types import ChatRequest, OutputFormat, SamplingParams
 from lmserve.engine.protocol import Engine
+from lmserve.model.families import recommended_sampling
 from lmserve.model.loader import LoadedModel
 from lmserve.serving.handle import Observer, RequestHandle
 from lmserve.serving.jobs import EventChannel, GenerationJob
@@ -56,6 +58,7 @@ class Runtime:
         self.options = options
         self.ctx = options.ctx
         self.prompts = PromptBuilder(model.tokenizer, model.template)
+        self.sampling_defaults = recommended_sampling(model.config.architecture, model.gguf.metadata)
         self.replies = ReplyPlanner(model.tokenizer, model.template)
         cfg = model.config
         per_token = cfg.kv_bytes_per_token(engine.kv_dtype_bytes)
@@ -80,6 +83,14 @@ class Runtime:
 
     def stop(self) -> None:
         self.scheduler.stop()
+
+    def model_info(self) -> dict[str, Any]:
+        """What /health and /v1/models say about the served model."""
+        cfg = self.model.config
+        return {"family": cfg.family, "architecture": cfg.architecture, "parameters": cfg.n_params,
+                "active_parameters": cfg.n_active_params, "experts": cfg.n_experts,
+                "experts_per_token": cfg.n_experts_used, "context": self.ctx,
+                "trained_context": cfg.context_length, "quant_mix": cfg.quant_mix}
 
     @property
     def draining(self) -> bool:

@@ -16,7 +16,7 @@ from lmserve.engine_cpu import CPUEngine
 from lmserve.model.loader import load_model
 from lmserve.serving.kv_disk import DiskTier
 from lmserve.serving.kv_slots import SlotPool
-from lmserve.serving.ram_guard import plan_slots
+from lmserve.serving.ram_guard import default_context, plan_slots
 
 CTX = 512
 
@@ -128,3 +128,13 @@ def test_ram_guard_warns_clamps_and_can_be_forced():
     assert "= 1440 MiB, with 1024 MiB of memory available" in clamp.warning
     forced = plan_slots(4, per_token, 8192, available=gib, force=True)
     assert forced.slots == 4 and not forced.clamped and "kv-slots-force" in forced.warning
+
+
+def test_default_context_fits_one_slot_in_half_the_memory():
+    gib = 1024**3
+    per_token = 131_072  # Llama 3.1 8B on MLX: 2 x 32 layers x 8 KV heads x 128 x 2 bytes
+    assert default_context(131_072, per_token, available=64 * gib).tokens == 131_072  # 16 GiB of 32
+    small = default_context(131_072, per_token, available=10 * gib)  # 5 GiB: 40,960 tokens
+    assert small.tokens == 40_960 and "raise with --ctx" in small.reason
+    assert default_context(131_072, per_token, available=gib // 4).tokens == 4096  # never below one step
+    assert default_context(256, per_token, available=gib // 1024).tokens == 256  # nor above the trained

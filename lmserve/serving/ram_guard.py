@@ -1,4 +1,4 @@
-"""Startup check that the KV slots fit in memory, clamping --kv-slots when they cannot.
+"""Startup sizing against memory: the default context, and --kv-slots clamped when they cannot fit.
 
 One slot is priced at the full context (bytes per cached token from the model's KV geometry and
 the engine's cache dtype), since any slot may fill that far. On a Mac, memory is unified: the
@@ -10,6 +10,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import psutil
+
+CTX_STEP = 4096  # a context that must shrink to fit is a multiple of this
+
+
+@dataclass(frozen=True)
+class ContextChoice:
+    tokens: int
+    reason: str  # for the banner
+
+
+def default_context(trained: int, per_token: int, available: int | None = None) -> ContextChoice:
+    """The model's trained context when one full KV slot of it fits in half the available memory
+    (what `plan_slots` keeps comfortable, with the weights already resident), else the largest
+    multiple of CTX_STEP that does (at least one step, or the trained context when smaller)."""
+    available = psutil.virtual_memory().available if available is None else available
+    budget = available // 2
+    if trained * per_token <= budget:
+        return ContextChoice(trained, "the model's trained context; one full KV slot fits in memory")
+    fits = max(CTX_STEP, budget // per_token // CTX_STEP * CTX_STEP)
+    tokens = min(trained, fits)
+    return ContextChoice(tokens, f"the largest multiple of {CTX_STEP} whose KV slot fits in half of the "
+                                 f"{available / 2**30:.1f} GiB available (trained {trained}; raise with --ctx)")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,113 @@
+"""What each supported model family is, beyond what its GGUF metadata says.
+
+llama.cpp hard-codes a few facts per architecture that files do not carry (Gemma 3's one global
+layer in six, gpt-oss's alternating sliding layers, its clamped SwiGLU and router); they live here,
+next to each family's human name and its recommended sampling settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+SILU = "silu"  # SwiGLU: silu(gate) * up
+GELU_TANH = "gelu_tanh"  # GeGLU with the tanh approximation (Gemma)
+SWIGLU_OAI = "swiglu_oai"  # gpt-oss: clamped gate * sigmoid(1.702 gate) * (up + 1)
+
+ROUTE_SOFTMAX_TOPK = "softmax_topk"  # softmax over all experts, keep the top k, renormalize (Qwen3 MoE)
+ROUTE_TOPK_SOFTMAX = "topk_softmax"  # keep the top k logits, softmax over those (gpt-oss)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A model's recommended sampling settings; None: the API's own default."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    source: str = ""
+
+    def describe(self) -> str:
+        parts = [f"{name} {value:g}" for name, value in (
+            ("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
+            ("min_p", self.min_p), ("repeat_penalty", self.repeat_penalty)) if value is not None]
+        return (", ".join(parts) or "the API defaults") + (f" ({self.source})" if self.source else "")
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str
+    name: str
+    rope_interleaved: bool = False  # llama: GGUF permutes Q/K rows for adjacent-pair RoPE
+    sliding_pattern: int = 0  # every n-th layer is global, the others slide (0: none slide)
+    activation: str = SILU
+    router: str = ROUTE_SOFTMAX_TOPK
+    scaled_embedding: bool = False
+    # (substring of the model's name, lower case) -> its recommendation; the first match wins,
+    # "" matches every model of the family.
+    sampling: tuple[tuple[str, Sampling], ...] = field(default=())
+    scale: Callable[[int, int, int, int], float] | None = None
+
+    def sliding(self, layer: int) -> bool:
+        return bool(self.sliding_pattern) and (layer + 1) % self.sliding_pattern != 0
+
+    def attention_scale(self, hidden: int, heads: int, head_dim: int, layers: int) -> float:
+        return self.scale(hidden, heads, head_dim, layers) if self.scale else 0.0
+
+    def display_name(self, metadata: dict[str, Any]) -> str:
+        name = str(metadata.get("general.basename") or metadata.get("general.name") or "").lower()
+        if self.architecture == "llama":
+            for marker, label in (("mistral", "Mistral"), ("devstral", "Devstral"), ("smollm", "SmolLM")):
+                if marker in name:
+                    return label
+        return self.name
+
+    def recommended_sampling(self, model_name: str) -> Sampling:
+        name = model_name.lower()
+        return next((s for marker, s in self.sampling if marker in name), Sampling())
+
+
+def _gemma3_scale(hidden: int, heads: int, head_dim: int, layers: int) -> float:
+    """Gemma 3 27B (62 layers) scales queries by hidden/heads, the others by head_dim (as llama.cpp)."""
+    return (hidden / heads if layers == 62 else head_dim) ** -0.5
+
+
+QWEN3_THINKING = Sampling(0.6, 0.95, 20, 0.0, source="Qwen3 model card, thinking mode")
+QWEN_CODER = Sampling(0.7, 0.8, 20, None, 1.05, source="Qwen3-Coder / Qwen2.5 generation_config.json")
+
+FAMILIES: dict[str, Family] = {f.architecture: f for f in (
+    Family("llama", "Llama", rope_interleaved=True, sampling=(
+        ("smollm", Sampling(0.2, 0.9, source="SmolLM2 model card")),
+        ("devstral", Sampling(0.15, source="Devstral model card")),
+        ("mistral", Sampling(0.15, source="Mistral Small 3.x model card")),
+        ("llama", Sampling(0.6, 0.9, source="Llama 3.x generation_config.json")),
+    )),
+    Family("qwen2", "Qwen2", sampling=(
+        ("", Sampling(0.7, 0.8, 20, None, 1.05, source="Qwen2.5 generation_config.json")),)),
+    Family("qwen3", "Qwen3", sampling=(("coder", QWEN_CODER), ("", QWEN3_THINKING))),
+    Family("qwen3moe", "Qwen3 MoE", sampling=(("coder", QWEN_CODER), ("", QWEN3_THINKING))),
+    Family("gemma3", "Gemma 3", sliding_pattern=6, activation=GELU_TANH, scaled_embedding=True,
+           scale=_gemma3_scale, sampling=(
+               ("", Sampling(1.0, 0.95, 64, 0.0, source="Gemma 3 recommended settings")),)),
+    Family("phi3", "Phi-3"),
+    Family("gpt-oss", "gpt-oss", sliding_pattern=2, activation=SWIGLU_OAI, router=ROUTE_TOPK_SOFTMAX,
+           sampling=(("", Sampling(1.0, 1.0, source="OpenAI gpt-oss model card")),)),
+)}
+
+GGUF_SAMPLING_KEYS = {"temperature": "general.sampling.temp", "top_p": "general.sampling.top_p",
+                      "top_k": "general.sampling.top_k", "min_p": "general.sampling.min_p",
+                      "repeat_penalty": "general.sampling.penalty_repeat"}
+
+
+def recommended_sampling(architecture: str, metadata: dict[str, Any]) -> Sampling:
+    """The file's own `general.sampling.*` keys when it has any, else the family's table."""
+    found = {field_: metadata[key] for field_, key in GGUF_SAMPLING_KEYS.items() if key in metadata}
+    if found:
+        return Sampling(**{k: (int(v) if k == "top_k" else float(v)) for k, v in found.items()},
+                        source="the GGUF's general.sampling keys")
+    family = FAMILIES.get(architecture)
+    name = str(metadata.get("general.name") or metadata.get("general.basename") or "")
+    return family.recommended_sampling(name) if family else Sampling()
