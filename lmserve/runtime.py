@@ -135,6 +135,7 @@ class Runtime:
                 400, "messages", "context_length_exceeded")
         budget = self.ctx - n
         max_tokens = min(max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS, budget)
+        sampling = sampling.with_defaults(self.sampling_defaults.values())
         job = GenerationJob(prompt_ids, sampling, max_tokens, EventChannel(asyncio.get_running_loop()),
                             stop, session_id, reply=plan or ReplyPlan())
         try:

@@ -83,12 +83,12 @@ def test_spill_restart_restore_gives_the_same_reply(tmp_path):
 
 
 def test_ram_guard_clamps_slots_and_force_keeps_them():
-    hooks = Hooks(available_memory=200 * 1024 * 1024)  # 200 MiB: 4 slots of 8k do not fit
+    hooks = Hooks(available_memory=600 * 1024 * 1024)  # 600 MiB: the weights (513 MiB) fit, 4 slots of 8k do not
     with start_server("--engine", "cpu", "--kv-slots", "4", "--ctx", "8192", hooks=hooks) as s:
         log = s.log()
         assert httpx.get(s.base_url + "/health").json()["kv"]["slots"] == 1
     assert "clamped from 4 by the RAM guard" in log
-    assert "4 KV slots x 360 MiB (8192 tokens x 46080 bytes) = 1440 MiB, with 200 MiB" in log
+    assert "4 KV slots x 360 MiB (8192 tokens x 46080 bytes) = 1440 MiB, with 600 MiB" in log
     with start_server("--engine", "cpu", "--kv-slots", "4", "--ctx", "8192", "--kv-slots-force", hooks=hooks) as s:
         assert httpx.get(s.base_url + "/health").json()["kv"]["slots"] == 4
         assert "kv-slots-force" in s.log()
@@ -99,7 +99,7 @@ def test_default_context_is_what_one_kv_slot_fits_in_memory():
     with start_server("--engine", "cpu") as s:
         assert httpx.get(s.base_url + "/health").json()["context"] == 8192
         assert "8192 tokens (the model's trained context" in s.log()
-    hooks = Hooks(available_memory=500 * 1024 * 1024)  # half of it, 250 MiB, holds 5,688 tokens of KV
+    hooks = Hooks(available_memory=600 * 1024 * 1024)  # half of it, 300 MiB, holds 6,826 tokens of KV
     with start_server("--engine", "cpu", hooks=hooks) as s:
         assert httpx.get(s.base_url + "/v1/models").json()["data"][0]["context_window"] == 4096
         assert "4096 tokens (the largest multiple of 4096" in s.log()

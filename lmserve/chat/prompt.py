@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from lmserve.chat import hermes
 from lmserve.core.errors import RequestError
-from lmserve.core.types import ChatRequest
+from lmserve.core.types import ChatRequest, Message
 from lmserve.model.chat_template import ChatTemplate, TemplateError
 from lmserve.model.tokenizer import Tokenizer
 
@@ -18,10 +20,13 @@ class PromptBuilder:
 
     def render(self, request: ChatRequest) -> str:
         """The prompt text. A template without tool support gets tools and tool history folded into
-        plain turns (hermes); thinking is on only when asked for and no grammar governs the reply."""
+        plain turns (hermes), one that refuses a system turn gets it folded into the first user turn;
+        thinking is on only when asked for and no grammar governs the reply."""
         messages, tools = request.messages, request.offered_tools
         if not self.template.supports_tools:
             messages, tools = hermes.fold(messages, tools), []
+        if not self.template.supports_system:
+            messages = fold_system(messages)
         kwargs = dict(request.template_kwargs)
         if self.template.supports_thinking:
             kwargs.setdefault("enable_thinking", request.reasoning and not request.constrained)
@@ -39,3 +44,17 @@ class PromptBuilder:
 
     def build(self, request: ChatRequest) -> list[int]:
         return self.encode(self.render(request))
+
+
+def fold_system(messages: list[Message]) -> list[Message]:
+    """System turns joined into the first user turn, as Gemma 3's own template and llama.cpp's
+    polyfill do for templates without a system role: agents always send one."""
+    system = "\n\n".join(m.content for m in messages if m.role == "system")
+    rest = [m for m in messages if m.role != "system"]
+    if not system:
+        return rest
+    first_user = next((i for i, m in enumerate(rest) if m.role == "user"), None)
+    if first_user is None:
+        return [Message("user", system), *rest]
+    folded = dataclasses.replace(rest[first_user], content=f"{system}\n\n{rest[first_user].content}")
+    return [*rest[:first_user], folded, *rest[first_user + 1:]]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +106,12 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: bool = False
     top_logprobs: int = 0
+    given: frozenset[str] = frozenset()  # the fields the client set; the others may take model defaults
+
+    def with_defaults(self, defaults: dict[str, float | int]) -> SamplingParams:
+        """The model's recommended values for the fields the client did not set."""
+        fill = {k: v for k, v in defaults.items() if k not in self.given}
+        return dataclasses.replace(self, **fill) if fill else self
 
     @property
     def greedy(self) -> bool:

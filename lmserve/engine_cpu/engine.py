@@ -2,7 +2,12 @@
 
 A step stacks the hidden states of every row it advances (all prompt tokens in prefill, one token
 per sequence in batched decode), so each weight matrix is read once per step; only attention runs
-per sequence, over that sequence's own cache.
+per sequence, over that sequence's own cache. A mixture-of-experts FFN groups the rows by the
+experts they are routed to, so each selected expert's matrices are read once per step and the
+others not at all.
+
+Sliding-window layers keep every position in the cache like the others (so truncating, copying
+and saving a cache stay one slice), and attend to the window's positions only.
 """
 
 from __future__ import annotations
@@ -16,15 +21,17 @@ import numpy as np
 from lmserve.engine.protocol import Engine, check_token_ids
 from lmserve.engine_cpu import ops
 from lmserve.engine_cpu.cache import CPUCache
-from lmserve.engine_cpu.weights import load_weights
+from lmserve.engine_cpu.weights import ExpertWeights, load_weights
 from lmserve.model.config import ModelConfig
+from lmserve.model.families import ROUTE_TOPK_SOFTMAX
 from lmserve.model.gguf_file import GGUFFile
 
 PREFILL_CHUNK = 256  # prompt tokens per forward pass: bounds the attention scores' memory
 
 
 class CPUEngine(Engine[CPUCache]):
-    """Llama, Qwen2 and Qwen3 models on NumPy float32."""
+    """Every family of `model/families.py` (Llama, Mistral, Qwen2, Qwen3, Qwen3 MoE, Gemma 3,
+    Phi-3, gpt-oss) on NumPy float32."""
 
     name = "cpu"
     kv_dtype_bytes = 4  # keys and values are cached as float32
@@ -32,9 +39,13 @@ class CPUEngine(Engine[CPUCache]):
     device_argmax = False  # the logits are on the host already: an argmax here saves nothing
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None,
+                 available_memory: int | None = None) -> None:
+        """`available_memory`: bytes the weights may take (None: what psutil reports available);
+        a model whose float32 weights need more is refused with `ModelLoadError`."""
         self.config = config
-        self.weights = load_weights(gguf, config, progress)
+        self.weights = load_weights(gguf, config, progress, available_memory)
+        self._activation = ops.GATED_ACTIVATIONS[config.activation]
         self.weight_bytes = self.weights.nbytes
         self.device = f"numpy float32 ({len(os.sched_getaffinity(0))} cpus)"
 
@@ -94,8 +105,12 @@ class CPUEngine(Engine[CPUCache]):
         per_cache = len(ids) // len(caches)
         spans = [(c, c.length, i * per_cache, (i + 1) * per_cache) for i, c in enumerate(caches)]
         positions = np.concatenate([np.arange(s, s + per_cache) for _, s, _, _ in spans])
-        cos, sin = ops.rope_tables(positions, w.inv_freq)
+        tables = ops.rope_tables(positions, w.rope.inv_freq, w.rope.scale)
+        local = tables if w.rope_local is None else ops.rope_tables(positions, w.rope_local.inv_freq,
+                                                                   w.rope_local.scale)
         h = w.embed[ids]
+        if cfg.embed_scale != 1.0:
+            h = h * np.float32(cfg.embed_scale)  # rounded to float32 first, as Gemma does
         for li, layer in enumerate(w.layers):
             x = ops.rms_norm(h, layer.attn_norm, cfg.rms_eps)
             qkv = ops.linear(x, layer.qkv)
@@ -105,20 +120,66 @@ class CPUEngine(Engine[CPUCache]):
             if layer.q_norm is not None and layer.k_norm is not None:
                 qkv[:, :nq] = ops.rms_norm(qkv[:, :nq], layer.q_norm, cfg.rms_eps)
                 qkv[:, nq:nq + nkv] = ops.rms_norm(qkv[:, nq:nq + nkv], layer.k_norm, cfg.rms_eps)
-            qk = ops.rope(qkv[:, :nq + nkv], cos, sin)  # Q and K heads in one pass
+            qk = ops.rope(qkv[:, :nq + nkv], *(local if layer.local_rope else tables))  # Q and K in one pass
             q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
             attn = np.empty((len(ids), nq * hd), dtype=np.float32)
             for c, s, lo, hi in spans:
                 end = s + per_cache
                 c.k[li, :, s:end] = k[lo:hi].transpose(1, 0, 2)
                 c.v[li, :, s:end] = v[lo:hi].transpose(1, 0, 2)
-                attn[lo:hi] = ops.attention(q[lo:hi], c.k[li, :, :end], c.v[li, :, :end], s)
-            h = h + ops.linear(attn, layer.o)
+                attn[lo:hi] = ops.attention(q[lo:hi], c.k[li, :, :end], c.v[li, :, :end], s,
+                                            cfg.attention_scale, layer.window, layer.sinks)
+            out = ops.linear(attn, layer.o)
+            if layer.o_bias is not None:
+                out += layer.o_bias
+            if layer.post_attn_norm is not None:
+                out = ops.rms_norm(out, layer.post_attn_norm, cfg.rms_eps)
+            h = h + out
             x = ops.rms_norm(h, layer.ffn_norm, cfg.rms_eps)
-            h = h + ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up)), layer.down)
+            if layer.experts is not None:
+                out = self._moe(x, layer.experts)
+            else:
+                out = ops.linear(self._activation(ops.linear(x, layer.gate_up)), layer.down)
+            if layer.post_ffn_norm is not None:
+                out = ops.rms_norm(out, layer.post_ffn_norm, cfg.rms_eps)
+            h = h + out
         for c in caches:
             c.length += per_cache
         return h
+
+    def _moe(self, x: np.ndarray, m: ExpertWeights) -> np.ndarray:
+        """Route each row to its top-k experts and sum their outputs, weighted. Rows are grouped
+        by expert: each selected expert runs once, on the rows routed to it."""
+        cfg = self.config
+        k = cfg.n_experts_used
+        logits = ops.linear(x, m.router)
+        if m.router_bias is not None:
+            logits += m.router_bias
+        chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :k]  # [n, k]
+        if cfg.router == ROUTE_TOPK_SOFTMAX:  # gpt-oss: softmax over the k chosen logits
+            weights = ops.softmax(np.take_along_axis(logits, chosen, axis=-1))
+        else:  # softmax over every expert, keep the chosen, renormalize (Qwen3 MoE)
+            weights = np.take_along_axis(ops.softmax(logits), chosen, axis=-1)
+            weights /= weights.sum(axis=-1, keepdims=True)
+        flat, flat_weights = chosen.ravel(), weights.ravel()
+        order = np.argsort(flat, kind="stable")  # (row, slot) pairs grouped by expert
+        counts = np.bincount(flat, minlength=cfg.n_experts)
+        out = np.zeros_like(x)
+        stop = 0
+        for expert, count in enumerate(counts.tolist()):
+            if not count:
+                continue
+            pairs = order[stop:stop + count]
+            stop += count
+            rows = pairs // k  # distinct: a row picks an expert at most once
+            gate_up = ops.linear(x[rows], m.gate_up[expert])
+            if m.gate_up_bias is not None:
+                gate_up += m.gate_up_bias[expert]
+            y = ops.linear(self._activation(gate_up), m.down[expert])
+            if m.down_bias is not None:
+                y += m.down_bias[expert]
+            out[rows] += y * flat_weights[pairs, None]
+        return out
 
     def _logits(self, h: np.ndarray) -> np.ndarray:
         """Final norm and output head: `[n, hidden]` -> `[n, vocab]`."""

@@ -4,26 +4,33 @@ Decode is bound by reading weights, so each layer's Q/K/V rows are fused into on
 gate/up into another: one matrix product per fused weight instead of three or two. Matrices keep
 GGUF's `[out, in]` row order, C-contiguous (measured: `W @ x.T` is as fast as or faster than any
 pre-transposed layout for one row and for small batches, and it costs no transpose at load).
+Phi-3 files fuse Q/K/V and gate/up themselves; MoE experts are fused the same way, one
+`[2 * ffn, hidden]` gate/up matrix per expert.
 
 Tensors are dequantized 64K values at a time straight into their place in the fused matrices,
 which all live in one arena (see `_Loader`): no extra copies, temporaries that stay in cache, and
 one `gguf` call per 64K values rather than one per 16 rows. A thread pool of 2 was measured slower
 (1.2-1.5 s against 0.7 s for SmolLM2): the `gguf` dequantizers are many small NumPy calls that
 hold the GIL.
+
+Everything is float32, about 4 bytes per parameter whatever the file's quant, so `load_weights`
+first checks that this fits in the memory available and refuses with the arithmetic if not.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 
 import numpy as np
+import psutil
 from gguf import MODEL_TENSOR, TENSOR_NAMES
 from gguf import quants as gguf_quants
 
-from lmserve.model.config import ROPE_INTERLEAVED, ModelConfig
+from lmserve.model.config import ROPE_INTERLEAVED, ModelConfig, YarnScaling
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
 
 ALIGN = 16  # float32 values: every array starts on a 64-byte cache line
@@ -31,8 +38,21 @@ CHUNK_ELEMENTS = 1 << 16  # values dequantized per call: few calls, temporaries 
 _MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed
 _TRIM_THRESHOLD = 64 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers
+FLOAT32_BYTES = 4
 
 Progress = Callable[[int, int], None]
+
+
+@dataclass
+class ExpertWeights:
+    """A mixture-of-experts FFN: the router and every expert, stacked on a leading expert axis."""
+
+    router: np.ndarray  # [experts, hidden]
+    router_bias: np.ndarray | None  # gpt-oss
+    gate_up: np.ndarray  # [experts, 2 * ffn, hidden]: each expert's gate rows, then its up rows
+    gate_up_bias: np.ndarray | None  # [experts, 2 * ffn]
+    down: np.ndarray  # [experts, hidden, ffn]
+    down_bias: np.ndarray | None  # [experts, hidden]
 
 
 @dataclass
@@ -41,13 +61,29 @@ class LayerWeights:
 
     attn_norm: np.ndarray
     qkv: np.ndarray  # rows: Q heads, then K heads, then V heads
-    qkv_bias: np.ndarray | None  # qwen2
-    q_norm: np.ndarray | None  # qwen3: per-head RMSNorm weight [head_dim]
+    qkv_bias: np.ndarray | None  # qwen2, gpt-oss
+    q_norm: np.ndarray | None  # qwen3, gemma3: per-head RMSNorm weight [head_dim]
     k_norm: np.ndarray | None
     o: np.ndarray
     ffn_norm: np.ndarray
-    gate_up: np.ndarray  # rows: gate, then up
-    down: np.ndarray
+    gate_up: np.ndarray | None  # rows: gate, then up (None: the FFN is `experts`)
+    down: np.ndarray | None
+    o_bias: np.ndarray | None = None  # gpt-oss
+    sinks: np.ndarray | None = None  # gpt-oss: one extra softmax logit per query head [heads]
+    post_attn_norm: np.ndarray | None = None  # gemma3: on the attention output, before the residual
+    post_ffn_norm: np.ndarray | None = None  # gemma3: on the FFN output, before the residual
+    experts: ExpertWeights | None = None
+    window: int = 0  # attends to the last `window` positions only (0: all of them)
+    local_rope: bool = False  # rotates with `ModelWeights.rope_local` (Gemma 3's sliding layers)
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary embedding of the first `2 * len(inv_freq)` dimensions of each head; cos and sin
+    are multiplied by `scale` (YaRN's attention factor, 1 otherwise)."""
+
+    inv_freq: np.ndarray  # [rotary_dims // 2], float64
+    scale: float = 1.0
 
 
 @dataclass
@@ -58,17 +94,19 @@ class ModelWeights:
     layers: list[LayerWeights]
     output_norm: np.ndarray
     output: np.ndarray
-    inv_freq: np.ndarray  # RoPE inverse frequencies [head_dim // 2]
+    rope: Rope
+    rope_local: Rope | None = None  # the sliding layers' own (Gemma 3)
 
     @property
     def nbytes(self) -> int:
         """Resident bytes, counting a tied output matrix once."""
         arrays = {id(a): a for a in (self.embed, self.output_norm, self.output)}
         for layer in self.layers:
-            for f in fields(layer):
-                value = getattr(layer, f.name)
-                if value is not None:
-                    arrays[id(value)] = value
+            for group in (layer, layer.experts):
+                for f in fields(group) if group is not None else ():
+                    value = getattr(group, f.name)
+                    if isinstance(value, np.ndarray):
+                        arrays[id(value)] = value
         return sum(a.nbytes for a in arrays.values())
 
 
@@ -92,14 +130,15 @@ class _Loader:
     def __init__(self, gguf: GGUFFile, head_dim: int) -> None:
         self.gguf = gguf
         self.head_dim = head_dim
-        self.jobs: list[tuple[str, np.ndarray, bool]] = []
+        # (tensor, destination, heads permuted, first row of the tensor it holds)
+        self.jobs: list[tuple[str, np.ndarray, bool, int]] = []
         size = sum(info.n_elements + ALIGN for info in gguf.tensors.values())
         self._arena = np.empty(size, dtype=np.float32)
         self._used = 0
 
     def _alloc(self, shape: tuple[int, ...]) -> np.ndarray:
         start = -(-self._used // ALIGN) * ALIGN
-        self._used = start + int(np.prod(shape))
+        self._used = start + math.prod(shape)
         return self._arena[start:self._used].reshape(shape)
 
     def tensor(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -120,10 +159,26 @@ class _Loader:
             row += shape[0]
         return out
 
+    def fused_experts(self, names: list[str]) -> np.ndarray:
+        """Per-expert tensors `[experts, rows_i, ...]` stacked along their second axis, so each
+        expert's slices are one contiguous block: `[experts, sum of rows_i, ...]`."""
+        shapes = [self._info(name) for name in names]
+        if len({(shape[0], *shape[2:]) for shape in shapes}) != 1:
+            raise ModelLoadError(f"cannot fuse expert tensors of shapes {shapes}: {names}")
+        experts = shapes[0][0]
+        out = self._alloc((experts, sum(shape[1] for shape in shapes), *shapes[0][2:]))
+        row = 0
+        for name, shape in zip(names, shapes, strict=True):
+            rows_per_expert = math.prod(shape[1:-1])  # of the tensor's [rows, last axis] table
+            for e in range(experts):
+                self.jobs.append((name, out[e, row:row + shape[1]], False, e * rows_per_expert))
+            row += shape[1]
+        return out
+
     def _add(self, name: str, out: np.ndarray, heads_permuted: bool = False) -> None:
         if self._info(name) != out.shape:
             raise ModelLoadError(f"tensor {name} has shape {self._info(name)}, expected {out.shape}")
-        self.jobs.append((name, out, heads_permuted))
+        self.jobs.append((name, out, heads_permuted, 0))
 
     def _info(self, name: str) -> tuple[int, ...]:
         info = self.gguf.tensors.get(name)
@@ -132,29 +187,36 @@ class _Loader:
         return info.shape
 
     def run(self, progress: Progress | None) -> None:
-        for done, (name, out, heads_permuted) in enumerate(self.jobs, 1):
-            self._dequantize_into(name, out, heads_permuted)
-            if progress is not None:
-                progress(done, len(self.jobs))
+        """Dequantize every job; progress counts tensors (an expert tensor is several jobs)."""
+        total = len({name for name, *_ in self.jobs})
+        done = 0
+        for i, (name, out, heads_permuted, first_row) in enumerate(self.jobs):
+            self._dequantize_into(name, out, heads_permuted, first_row)
+            if progress is not None and (i + 1 == len(self.jobs) or self.jobs[i + 1][0] != name):
+                done += 1
+                progress(done, total)
 
-    def _dequantize_into(self, name: str, out: np.ndarray, heads_permuted: bool) -> None:
-        """Fill `out` a few rows at a time. `heads_permuted` undoes llama.cpp's Q/K row order
-        (pairs (2i, 2i+1) of each head, for ggml's adjacent-pair RoPE) back to Hugging Face's
-        halves (i, i + head_dim/2), so one NeoX-style RoPE serves every architecture."""
-        qtype = self.gguf.tensors[name].qtype
+    def _dequantize_into(self, name: str, out: np.ndarray, heads_permuted: bool, first_row: int) -> None:
+        """Fill `out` a few rows at a time, from row `first_row` of the tensor (its values seen as
+        rows of its last axis). `heads_permuted` undoes llama.cpp's Q/K row order (pairs
+        (2i, 2i+1) of each head, for ggml's adjacent-pair RoPE) back to Hugging Face's halves
+        (i, i + head_dim/2), so one NeoX-style RoPE serves every architecture."""
+        info = self.gguf.tensors[name]
+        qtype = info.qtype
         raw = np.asarray(self.gguf.raw(name))  # a plain view: memmap views cost Python calls
-        table = out.reshape(out.shape[0], -1)  # a view; vectors become one column
-        if out.ndim == 1:  # norms and biases: small, and their blocks may span rows
+        if len(info.shape) == 1:  # norms and biases: small, and their blocks may span rows
+            table = out.reshape(-1, 1)
             chunks: Iterable[tuple[int, np.ndarray]] = [(0, gguf_quants.dequantize(raw, qtype))]
         else:
-            step = max(1, CHUNK_ELEMENTS // out.shape[1])
+            table = out.reshape(-1, info.shape[-1])  # a view
+            step = max(1, CHUNK_ELEMENTS // table.shape[1])
             if heads_permuted:
                 step = -(-step // self.head_dim) * self.head_dim
-            rows = raw.reshape(out.shape[0], -1)
+            rows = raw.reshape(info.n_elements // info.shape[-1], -1)[first_row:first_row + len(table)]
             # One flat row per call: `gguf` then dequantizes the chunk in one group instead of
             # one group per 16 rows, and blocks never straddle rows, so the result is the same.
             chunks = ((s, gguf_quants.dequantize(rows[s:s + step].reshape(1, -1), qtype))
-                      for s in range(0, out.shape[0], step))
+                      for s in range(0, len(table), step))
         for start, chunk in chunks:
             if heads_permuted:
                 chunk = chunk.reshape(-1, self.head_dim // 2, 2, table.shape[1]).transpose(0, 2, 1, 3)
@@ -180,43 +242,146 @@ def _retain_freed_heap() -> None:
         return
 
 
-def load_weights(gguf: GGUFFile, config: ModelConfig, progress: Progress | None = None) -> ModelWeights:
-    """Dequantize every tensor the forward pass needs into fused float32 matrices."""
+def _size(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+
+
+def check_memory(gguf: GGUFFile, config: ModelConfig, available: int | None = None) -> int:
+    """Refuse a model whose float32 weights do not fit in `available` bytes (None: what psutil
+    reports available now); returns the bytes the weights will take."""
+    need = FLOAT32_BYTES * config.n_params  # a tied output head is one tensor, counted once
+    available = psutil.virtual_memory().available if available is None else available
+    if need > available:
+        file_bytes = gguf.path.stat().st_size
+        raise ModelLoadError(
+            f"the NumPy engine needs {_size(need)} for this model's weights in float32 "
+            f"({need / file_bytes:.1f}x the {_size(file_bytes)} file) but {_size(available)} is available; "
+            "on a Mac use --engine mlx (it keeps the quantized weights), or pick a smaller quant/model")
+    return need
+
+
+def load_weights(gguf: GGUFFile, config: ModelConfig, progress: Progress | None = None,
+                 available_memory: int | None = None) -> ModelWeights:
+    """Dequantize every tensor the forward pass needs into fused float32 matrices, after checking
+    that they fit in memory (`available_memory` bytes; None: ask psutil)."""
     c = config
+    check_memory(gguf, c, available_memory)
     _retain_freed_heap()
-    if c.head_dim % 2:
-        raise ModelLoadError(f"head dimension {c.head_dim} is odd; RoPE needs pairs")
+    if c.head_dim % 2 or c.rotary_dims % 2:
+        raise ModelLoadError(f"head dimension {c.head_dim} (rotated: {c.rotary_dims}) is odd; RoPE needs pairs")
     loader = _Loader(gguf, c.head_dim)
     permute = c.rope_style == ROPE_INTERLEAVED
     embed = loader.tensor(_name(MODEL_TENSOR.TOKEN_EMBD), (c.vocab_size, c.hidden_size))
-    layers = []
-    for i in range(c.n_layers):
-        qkv = (MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V)
-        layers.append(LayerWeights(
-            attn_norm=loader.tensor(_name(MODEL_TENSOR.ATTN_NORM, i), (c.hidden_size,)),
-            qkv=loader.fused([_name(kind, i) for kind in qkv], (permute, permute, False)),
-            qkv_bias=loader.fused([_bias(kind, i) for kind in qkv], (permute, permute, False))
-            if c.qkv_bias else None,
-            q_norm=loader.tensor(_name(MODEL_TENSOR.ATTN_Q_NORM, i), (c.head_dim,)) if c.qk_norm else None,
-            k_norm=loader.tensor(_name(MODEL_TENSOR.ATTN_K_NORM, i), (c.head_dim,)) if c.qk_norm else None,
-            o=loader.tensor(_name(MODEL_TENSOR.ATTN_OUT, i), (c.hidden_size, c.n_heads * c.head_dim)),
-            ffn_norm=loader.tensor(_name(MODEL_TENSOR.FFN_NORM, i), (c.hidden_size,)),
-            gate_up=loader.fused([_name(MODEL_TENSOR.FFN_GATE, i), _name(MODEL_TENSOR.FFN_UP, i)]),
-            down=loader.tensor(_name(MODEL_TENSOR.FFN_DOWN, i), (c.hidden_size, c.ffn_size)),
-        ))
+    layers = [_layer(loader, c, i, permute) for i in range(c.n_layers)]
     output_norm = loader.tensor(_name(MODEL_TENSOR.OUTPUT_NORM), (c.hidden_size,))
     output = embed
     if not c.tied_embeddings:
         output = loader.tensor(_name(MODEL_TENSOR.OUTPUT), (c.vocab_size, c.hidden_size))
     loader.run(progress)
-    return ModelWeights(embed, layers, output_norm, output, _inv_freq(gguf, c))
+    global_rope = _rope(gguf, c, c.rope_theta, c.rope_linear_factor)
+    local_rope = None
+    if c.rope_theta_local is not None and any(layer.local_rope for layer in layers):
+        local_rope = _rope(gguf, c, c.rope_theta_local, 1.0)
+    return ModelWeights(embed, layers, output_norm, output, global_rope, local_rope)
 
 
-def _inv_freq(gguf: GGUFFile, config: ModelConfig) -> np.ndarray:
-    """RoPE inverse frequencies; Llama 3.x files carry per-frequency divisors in `rope_freqs`."""
-    dims = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
-    inv_freq = config.rope_theta ** -dims
-    factors = _name(MODEL_TENSOR.ROPE_FREQS)
-    if factors in gguf.tensors:
-        inv_freq = inv_freq / gguf.dequantize(factors).astype(np.float64)
-    return inv_freq
+def _layer(loader: _Loader, c: ModelConfig, i: int, permute: bool) -> LayerWeights:
+    """One block's weights, named as llama.cpp's converter names them for the family."""
+    tensors = loader.gguf.tensors
+    hidden, q_rows, kv_rows = c.hidden_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    qkv_kinds = (MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V)
+    if c.fused_qkv:  # Phi-3: one tensor, rows Q then K then V
+        qkv = loader.tensor(_name(MODEL_TENSOR.ATTN_QKV, i), (q_rows + 2 * kv_rows, hidden))
+        qkv_bias = None
+        if _bias(MODEL_TENSOR.ATTN_QKV, i) in tensors:
+            qkv_bias = loader.tensor(_bias(MODEL_TENSOR.ATTN_QKV, i), (q_rows + 2 * kv_rows,))
+    else:
+        qkv = loader.fused([_name(kind, i) for kind in qkv_kinds], (permute, permute, False))
+        qkv_bias = loader.fused([_bias(kind, i) for kind in qkv_kinds], (permute, permute, False)) \
+            if c.qkv_bias else None
+    # The FFN's pre-norm: `ffn_norm`, except that gpt-oss files call it `post_attention_norm`
+    # (Hugging Face's post_attention_layernorm, which feeds the FFN); Gemma 3's post norms are
+    # extra norms on each sub-block's output.
+    ffn_norm = _name(MODEL_TENSOR.FFN_NORM, i)
+    if ffn_norm not in tensors and not c.post_norms:
+        ffn_norm = _name(MODEL_TENSOR.ATTN_POST_NORM, i)
+    gate_up = down = experts = None
+    if c.is_moe:
+        experts = _experts(loader, c, i)
+    else:
+        if c.fused_gate_up:  # Phi-3: `ffn_up` holds the gate rows, then the up rows
+            gate_up = loader.tensor(_name(MODEL_TENSOR.FFN_UP, i), (2 * c.ffn_size, hidden))
+        else:
+            gate_up = loader.fused([_name(MODEL_TENSOR.FFN_GATE, i), _name(MODEL_TENSOR.FFN_UP, i)])
+        down = loader.tensor(_name(MODEL_TENSOR.FFN_DOWN, i), (hidden, c.ffn_size))
+    sliding = i < len(c.sliding_layers) and c.sliding_layers[i] and c.sliding_window > 0
+    return LayerWeights(
+        attn_norm=loader.tensor(_name(MODEL_TENSOR.ATTN_NORM, i), (hidden,)),
+        qkv=qkv,
+        qkv_bias=qkv_bias,
+        q_norm=loader.tensor(_name(MODEL_TENSOR.ATTN_Q_NORM, i), (c.head_dim,)) if c.qk_norm else None,
+        k_norm=loader.tensor(_name(MODEL_TENSOR.ATTN_K_NORM, i), (c.head_dim,)) if c.qk_norm else None,
+        o=loader.tensor(_name(MODEL_TENSOR.ATTN_OUT, i), (hidden, q_rows)),
+        o_bias=loader.tensor(_bias(MODEL_TENSOR.ATTN_OUT, i), (hidden,)) if c.o_bias else None,
+        sinks=loader.tensor(_name(MODEL_TENSOR.ATTN_SINKS, i), (c.n_heads,)) if c.attn_sinks else None,
+        post_attn_norm=loader.tensor(_name(MODEL_TENSOR.ATTN_POST_NORM, i), (hidden,)) if c.post_norms else None,
+        ffn_norm=loader.tensor(ffn_norm, (hidden,)),
+        gate_up=gate_up,
+        down=down,
+        experts=experts,
+        post_ffn_norm=loader.tensor(_name(MODEL_TENSOR.FFN_POST_NORM, i), (hidden,)) if c.post_norms else None,
+        window=c.sliding_window if sliding else 0,
+        local_rope=sliding and c.rope_theta_local is not None,
+    )
+
+
+def _experts(loader: _Loader, c: ModelConfig, i: int) -> ExpertWeights:
+    """The router and the experts' `ffn_{gate,up,down}_exps` tensors (one slice per expert)."""
+    n, hidden, ffn = c.n_experts, c.hidden_size, c.expert_ffn_size or c.ffn_size
+    gate, up = MODEL_TENSOR.FFN_GATE_EXP, MODEL_TENSOR.FFN_UP_EXP
+    gate_up = loader.fused_experts([_name(gate, i), _name(up, i)])
+    if gate_up.shape != (n, 2 * ffn, hidden):
+        raise ModelLoadError(f"expert tensors of layer {i} have shape {gate_up.shape}, expected {(n, 2 * ffn, hidden)}")
+    bias = c.expert_bias
+    return ExpertWeights(
+        router=loader.tensor(_name(MODEL_TENSOR.FFN_GATE_INP, i), (n, hidden)),
+        router_bias=loader.tensor(_bias(MODEL_TENSOR.FFN_GATE_INP, i), (n,)) if bias else None,
+        gate_up=gate_up,
+        gate_up_bias=loader.fused_experts([_bias(gate, i), _bias(up, i)]) if bias else None,
+        down=loader.tensor(_name(MODEL_TENSOR.FFN_DOWN_EXP, i), (n, hidden, ffn)),
+        down_bias=loader.tensor(_bias(MODEL_TENSOR.FFN_DOWN_EXP, i), (n, hidden)) if bias else None,
+    )
+
+
+def _rope(gguf: GGUFFile, config: ModelConfig, theta: float, linear_factor: float) -> Rope:
+    """RoPE inverse frequencies for base `theta`; Llama 3.x files carry per-frequency divisors in
+    `rope_freqs`, gpt-oss blends them by YaRN."""
+    dims = config.rotary_dims
+    inv_freq = theta ** -(np.arange(0, dims, 2, dtype=np.float64) / dims)
+    if config.has_rope_freqs:
+        inv_freq = inv_freq / gguf.dequantize(_name(MODEL_TENSOR.ROPE_FREQS)).astype(np.float64)
+    if linear_factor != 1.0:
+        inv_freq = inv_freq / linear_factor
+    if config.rope_yarn is not None:
+        return _yarn(inv_freq, dims, theta, config.rope_yarn)
+    return Rope(inv_freq)
+
+
+def _yarn(inv_freq: np.ndarray, dims: int, theta: float, yarn: YarnScaling) -> Rope:
+    """YaRN as Hugging Face's `_compute_yarn_parameters`: each frequency is blended between
+    interpolated (divided by the factor) and original by a linear ramp over the dimensions whose
+    wavelength lies between beta_fast and beta_slow rotations of the original context, and cos
+    and sin are scaled by mscale = 0.1 ln(factor) + 1."""
+    def correction_dim(rotations: float) -> float:
+        return dims * math.log(yarn.original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:  # gpt-oss's own config leaves the range unrounded (ModelConfig says which)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001  # as Hugging Face: no division by zero
+    interpolated = np.clip((np.arange(dims // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    blended = inv_freq / yarn.factor * interpolated + inv_freq * (1 - interpolated)
+    mscale = 0.1 * math.log(yarn.factor) + 1.0 if yarn.factor > 1 else 1.0
+    return Rope(blended, mscale)

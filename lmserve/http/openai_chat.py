@@ -143,7 +143,8 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
 
 
 def sampling_params(body: Struct, vocab_size: int) -> SamplingParams:
-    """The sampling fields a body sets (unset ones keep SamplingParams' defaults, the APIs' own)."""
+    """The sampling fields a body sets; unset ones keep SamplingParams' defaults (the APIs' own)
+    until the runtime fills in the model's recommended values."""
     given = {key: value for key in SAMPLING_FIELDS if (value := getattr(body, key, None)) is not None}
     if given.get("seed", 0) > MAX_SEED:
         raise invalid("seed", f"must be at most {MAX_SEED}, got {given['seed']}")
@@ -151,7 +152,7 @@ def sampling_params(body: Struct, vocab_size: int) -> SamplingParams:
     for token in bias:
         if not 0 <= token < vocab_size:
             raise invalid("logit_bias", f"token id {token} is outside the vocabulary (0..{vocab_size - 1})")
-    return SamplingParams(**given, logit_bias=bias)
+    return SamplingParams(**given, logit_bias=bias, given=frozenset(given))
 
 
 def parse_chat(raw: dict[str, Any], vocab_size: int) -> tuple[ChatRequest, ChatOptions]:

@@ -153,6 +153,20 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
         self.supports_tools = "tools" in variables
         self.supports_thinking = "enable_thinking" in variables
+        self.supports_system = self._accepts_system()
+
+    def _accepts_system(self) -> bool:
+        """False for templates that raise on a system turn (Gemma 1/2's) but render without one."""
+        probe = [{"role": "user", "content": "x"}]
+        try:
+            self.render([{"role": "system", "content": "s"}, *probe])
+            return True
+        except TemplateError:
+            try:
+                self.render(probe)
+            except TemplateError:
+                return True  # it fails either way: not the system turn's fault
+            return False
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, tokenizer: Tokenizer) -> ChatTemplate:

@@ -31,6 +31,7 @@ class YarnScaling:
     original_context: int
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    truncate: bool = True  # round the correction range to whole dimensions (HF's default, llama.cpp)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class ModelConfig:
     rope_dims: int = 0  # rotated dimensions of each head (partial rotary); 0: all of head_dim
     rope_theta_local: float | None = None  # the sliding-window layers' own base (Gemma 3)
     rope_yarn: YarnScaling | None = None
+    rope_linear_factor: float = 1.0  # linear scaling: positions divided by it (Gemma 3 4B-27B, global layers)
     has_rope_freqs: bool = False  # Llama 3.x: per-frequency divisors in the `rope_freqs` tensor
     sliding_window: int = 0  # positions a sliding layer attends to (0: no sliding layers)
     sliding_layers: tuple[bool, ...] = ()  # per layer: attends to the sliding window only
@@ -125,7 +127,10 @@ class ModelConfig:
         if md.get(f"{arch}.rope.scaling.type") == "yarn":
             yarn = YarnScaling(float(key("rope.scaling.factor")), int(key("rope.scaling.original_context_length")),
                                float(md.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
-                               float(md.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)))
+                               float(md.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+                               truncate=family.yarn_truncate)
+        linear = float(md.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0) \
+            if md.get(f"{arch}.rope.scaling.type") == "linear" else 1.0
         rope_dims = int(md.get(f"{arch}.rope.dimension_count", head_dim))
         return cls(
             architecture=arch,
@@ -150,6 +155,7 @@ class ModelConfig:
             rope_dims=rope_dims if rope_dims != head_dim else 0,
             rope_theta_local=float(md[f"{arch}.rope.freq_base_swa"]) if f"{arch}.rope.freq_base_swa" in md else None,
             rope_yarn=yarn,
+            rope_linear_factor=linear,
             has_rope_freqs="rope_freqs.weight" in tensors,
             sliding_window=window if family.sliding_pattern else 0,
             sliding_layers=tuple(family.sliding(i) for i in range(n_layers)) if window else (False,) * n_layers,

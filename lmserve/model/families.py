@@ -30,10 +30,14 @@ class Sampling:
     repeat_penalty: float | None = None
     source: str = ""
 
-    def describe(self) -> str:
-        parts = [f"{name} {value:g}" for name, value in (
+    def values(self) -> dict[str, float | int]:
+        """The recommended fields, by SamplingParams' names."""
+        return {name: value for name, value in (
             ("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
-            ("min_p", self.min_p), ("repeat_penalty", self.repeat_penalty)) if value is not None]
+            ("min_p", self.min_p), ("repeat_penalty", self.repeat_penalty)) if value is not None}
+
+    def describe(self) -> str:
+        parts = [f"{name} {value:g}" for name, value in self.values().items()]
         return (", ".join(parts) or "the API defaults") + (f" ({self.source})" if self.source else "")
 
 
@@ -46,6 +50,7 @@ class Family:
     activation: str = SILU
     router: str = ROUTE_SOFTMAX_TOPK
     scaled_embedding: bool = False
+    yarn_truncate: bool = True  # gpt-oss's config (and OpenAI's code) leave YaRN's range unrounded
     # (substring of the model's name, lower case) -> its recommendation; the first match wins,
     # "" matches every model of the family.
     sampling: tuple[tuple[str, Sampling], ...] = field(default=())
@@ -94,6 +99,7 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
                ("", Sampling(1.0, 0.95, 64, 0.0, source="Gemma 3 recommended settings")),)),
     Family("phi3", "Phi-3"),
     Family("gpt-oss", "gpt-oss", sliding_pattern=2, activation=SWIGLU_OAI, router=ROUTE_TOPK_SOFTMAX,
+           yarn_truncate=False,
            sampling=(("", Sampling(1.0, 1.0, source="OpenAI gpt-oss model card")),)),
 )}
 
