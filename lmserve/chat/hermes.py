@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from lmserve.core.types import Message, Tool
+from lmserve.core.types import Message, Tool, ToolCall
 
 TOOLS_HEADER = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -29,9 +29,10 @@ def tools_section(tools: list[Tool]) -> str:
     return TOOLS_HEADER + listed + TOOLS_FOOTER
 
 
-def call_text(name: str, arguments: str) -> str:
-    """One call as the model writes it (arguments are JSON text already)."""
-    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+def call_text(call: ToolCall) -> str:
+    """One call as Qwen3's template writes it from Hugging Face's shape (arguments a dict, so in
+    json.dumps' layout whatever spacing the client's JSON text had): the way the model writes it."""
+    return f'<tool_call>\n{{"name": "{call.name}", "arguments": {call.template_text()}}}\n</tool_call>'
 
 
 def fold(messages: list[Message], tools: list[Tool]) -> list[Message]:
@@ -56,7 +57,7 @@ def fold(messages: list[Message], tools: list[Tool]) -> list[Message]:
             continue
         results = None
         if message.role == "assistant" and message.tool_calls:
-            calls = "\n".join(call_text(c.name, c.arguments) for c in message.tool_calls)
+            calls = "\n".join(call_text(c) for c in message.tool_calls)
             content = message.content + "\n" + calls if message.content else calls
             out.append(Message("assistant", content, reasoning=message.reasoning))
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 from lmserve.chat import hermes
 from lmserve.core.errors import RequestError
@@ -20,19 +21,30 @@ class PromptBuilder:
 
     def render(self, request: ChatRequest) -> str:
         """The prompt text. A template without tool support gets tools and tool history folded into
-        plain turns (hermes), one that refuses a system turn gets it folded into the first user turn;
-        thinking is on only when asked for and no grammar governs the reply."""
+        plain turns (hermes), one with it gets past calls shaped the way it can render them
+        (`fit_calls`); one that refuses a system turn gets it folded into the first user turn, one
+        that wants alternating roles gets consecutive user turns joined. Thinking is on only when
+        asked for and no grammar governs the reply; gpt-oss's `reasoning_effort` follows the
+        client's effort, "low" under a grammar."""
+        template = self.template
         messages, tools = request.messages, request.offered_tools
-        if not self.template.supports_tools:
+        if template.supports_tools:
+            messages = fit_calls(messages, template)
+        else:
             messages, tools = hermes.fold(messages, tools), []
-        if not self.template.supports_system:
+        if not template.supports_system:
             messages = fold_system(messages)
+        if template.alternates:
+            messages = join_user_turns(messages)
         kwargs = dict(request.template_kwargs)
-        if self.template.supports_thinking:
+        if template.supports_thinking:
             kwargs.setdefault("enable_thinking", request.reasoning and not request.constrained)
+        effort = "low" if request.constrained else request.reasoning_effort
+        if template.supports_effort and effort is not None:
+            kwargs.setdefault("reasoning_effort", effort)
         try:
-            return self.template.render([m.to_template() for m in messages], add_generation_prompt=True,
-                                        tools=[t.to_template() for t in tools] or None, **kwargs)
+            return template.render([m.to_template() for m in messages], add_generation_prompt=True,
+                                   tools=[t.to_template() for t in tools] or None, **kwargs)
         except TemplateError as exc:
             raise RequestError(f"messages: the chat template rejected the conversation: {exc}",
                                400, "messages") from None
@@ -58,3 +70,88 @@ def fold_system(messages: list[Message]) -> list[Message]:
         return [Message("user", system), *rest]
     folded = dataclasses.replace(rest[first_user], content=f"{system}\n\n{rest[first_user].content}")
     return [*rest[:first_user], folded, *rest[first_user + 1:]]
+
+
+def join_user_turns(messages: list[Message], onto: str = "user") -> list[Message]:
+    """Each user turn right after an `onto` turn appended to it, a blank line between: consecutive
+    user turns as one for templates that insist on alternating roles (Claude Code sends tool
+    results and text in one user message, which a folded conversation, Gemma's, turns into two
+    user turns; Anthropic's API joins them too), or with "tool" a user turn joined to the tool
+    result before it (Mistral's template refuses a user turn there)."""
+    out: list[Message] = []
+    for message in messages:
+        if out and message.role == "user" and out[-1].role == onto:
+            out[-1] = dataclasses.replace(out[-1], content=f"{out[-1].content}\n\n{message.content}")
+        else:
+            out.append(message)
+    return out
+
+
+def fit_calls(messages: list[Message], template: ChatTemplate) -> list[Message]:
+    """Past calls shaped the way the template can render them: Mistral's 9-character ids and a
+    user turn right after tool results joined to the last result (its template refuses one there;
+    Claude Code sends results and text in one message), the text of a gpt-oss call turn moved into
+    its reasoning (its template takes one or the other), one call per assistant turn for Llama 3.1
+    and gpt-oss."""
+    if template.short_call_ids:
+        messages = [_short_ids(m) for m in messages]
+    if not template.user_after_results:
+        messages = join_user_turns(messages, onto="tool")
+    if not template.calls_take_text_and_thinking:
+        messages = [_text_into_reasoning(m) for m in messages]
+    if not template.parallel_calls:
+        messages = one_call_per_turn(messages)
+    return messages
+
+
+def short_call_id(call_id: str) -> str:
+    """Mistral's call id shape, 9 alphanumerics: an id of that shape is kept, any other becomes
+    the first 9 hex digits of its SHA-256, the same for a call and its result and the same every
+    turn (so the prompt's prefix, and its KV cache, stays put)."""
+    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+
+def _short_ids(message: Message) -> Message:
+    if not message.tool_calls and message.tool_call_id is None:
+        return message
+    calls = [dataclasses.replace(c, id=short_call_id(c.id)) for c in message.tool_calls]
+    result_id = short_call_id(message.tool_call_id) if message.tool_call_id is not None else None
+    return dataclasses.replace(message, tool_calls=calls, tool_call_id=result_id)
+
+
+def _text_into_reasoning(message: Message) -> Message:
+    if not (message.tool_calls and message.content and message.reasoning):
+        return message
+    return dataclasses.replace(message, content="", reasoning=f"{message.reasoning}\n\n{message.content}")
+
+
+def one_call_per_turn(messages: list[Message]) -> list[Message]:
+    """An assistant turn of several calls as one turn per call, each followed by its result
+    (matched by id, else the next result no call claims): Llama 3.1 raises on two calls in a turn,
+    gpt-oss renders the first and names every result after it. Text and reasoning stay with the
+    first call."""
+    out: list[Message] = []
+    i = 0
+    while i < len(messages):
+        message = messages[i]
+        i += 1
+        if message.role != "assistant" or len(message.tool_calls) < 2:
+            out.append(message)
+            continue
+        pending = []  # indices of the tool turns that follow, not placed yet
+        while i < len(messages) and messages[i].role == "tool":
+            pending.append(i)
+            i += 1
+        ids = {c.id for c in message.tool_calls}
+        for k, call in enumerate(message.tool_calls):
+            turn = message if k == 0 else dataclasses.replace(message, content="", reasoning=None)
+            out.append(dataclasses.replace(turn, tool_calls=[call]))
+            answer = next((j for j in pending if messages[j].tool_call_id == call.id),
+                          next((j for j in pending if messages[j].tool_call_id not in ids), None))
+            if answer is not None:
+                pending.remove(answer)
+                out.append(messages[answer])
+        out.extend(messages[j] for j in pending)
+    return out

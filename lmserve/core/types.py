@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,23 @@ class ToolCall:
     name: str
     arguments: str  # JSON text, as the dialects carry it
 
+    def template_arguments(self) -> Any:
+        """The arguments as chat templates take them: a JSON object as a dict (Hugging Face's shape;
+        Qwen3-Coder iterates it, Llama 3.1 and Mistral `tojson` it), empty text as `{}`, anything
+        else (not JSON, not an object) as the text sent, for the template to show as it is."""
+        if not self.arguments.strip():
+            return {}
+        try:
+            value = json.loads(self.arguments)
+        except ValueError:
+            return self.arguments
+        return value if isinstance(value, dict) else self.arguments
+
+    def template_text(self) -> str:
+        """The arguments as a template writes them with `tojson`: an object in json.dumps' layout."""
+        value = self.template_arguments()
+        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
 
 @dataclass
 class Message:
@@ -30,11 +48,13 @@ class Message:
     reasoning: str | None = None
 
     def to_template(self) -> dict[str, Any]:
-        """The dict shape Hugging Face chat templates expect."""
+        """The dict shape Hugging Face chat templates expect: calls as {"id", "type": "function",
+        "function": {"name", "arguments": <dict>}}, reasoning as `reasoning_content` (the renderer
+        aliases it as `thinking`, the name gpt-oss reads)."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
             out["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.template_arguments()}}
                 for c in self.tool_calls
             ]
         if self.tool_call_id is not None:
@@ -44,6 +64,16 @@ class Message:
         if self.reasoning:
             out["reasoning_content"] = self.reasoning
         return out
+
+
+def name_tool_results(messages: list[Message]) -> None:
+    """Give each tool turn without a `name` the name of the call it answers (matched by id), as
+    Hugging Face's tool message carries it; every dialect sends only the id."""
+    names: dict[str, str] = {}  # call id -> name, of the latest call with that id so far
+    for message in messages:
+        names.update((c.id, c.name) for c in message.tool_calls)
+        if message.role == "tool" and message.name is None and message.tool_call_id in names:
+            message.name = names[message.tool_call_id]
 
 
 @dataclass
@@ -143,6 +173,9 @@ class ChatRequest:
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     output_format: OutputFormat | None = None
     reasoning: bool = False  # the client asked for a reasoning channel (thinking)
+    # "low" | "medium" | "high" for templates that take a `reasoning_effort` (gpt-oss's harmony);
+    # None: the client did not say, the template's own default applies
+    reasoning_effort: str | None = None
     thinking_budget: int | None = None  # tokens; thinking never takes more than 3/4 of max_tokens either
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     session_id: str | None = None

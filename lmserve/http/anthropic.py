@@ -9,7 +9,15 @@ from typing import Any
 
 from lmserve.core.errors import invalid
 from lmserve.core.events import Event, Failed, Finished, KeepAlive, Started, Usage
-from lmserve.core.types import ChatRequest, Message, OutputFormat, Tool, ToolCall, ToolChoice
+from lmserve.core.types import (
+    ChatRequest,
+    Message,
+    OutputFormat,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    name_tool_results,
+)
 from lmserve.http import messages_schema as schema
 from lmserve.http.anthropic_blocks import ContentBlocks
 from lmserve.http.common import KEEPALIVE_COMMENT, sse
@@ -19,6 +27,9 @@ from lmserve.http.structs import REFUSED, decode, refused
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+# Thinking budgets -> gpt-oss's reasoning_effort: up to 4096 tokens low (Claude Code's "think" is
+# 4000), up to 16384 medium ("think hard", 10000), more high ("ultrathink", 31999).
+EFFORT_BUDGETS = ((4096, "low"), (16384, "medium"))
 
 
 def parse_system(value: str | list[schema.SystemBlock] | None) -> str:
@@ -68,6 +79,16 @@ def parse_turn(raw: schema.AnthropicMessage, where: str) -> list[Message]:
     return out
 
 
+def effort_level(thinking: schema.Thinking) -> str:
+    """`thinking` as gpt-oss's reasoning_effort: disabled (or absent) low, adaptive medium,
+    enabled by its budget (medium without one)."""
+    if thinking.type != "enabled":
+        return "low" if thinking.type == "disabled" else "medium"
+    if thinking.budget_tokens is None:
+        return "medium"
+    return next((level for most, level in EFFORT_BUDGETS if thinking.budget_tokens <= most), "high")
+
+
 def parse_tool_choice(choice: schema.AnthropicToolChoice | None) -> ToolChoice:
     choice = choice or schema.AnthropicToolChoice()
     if choice.type != "tool":
@@ -84,6 +105,7 @@ def parse_messages(raw: dict[str, Any], vocab_size: int, require_max_tokens: boo
     messages = [Message("system", system)] if system else []
     for i, turn in enumerate(body.messages):
         messages.extend(parse_turn(turn, f"messages[{i}]"))
+    name_tool_results(messages)
     # Client tools' input_schema is always enforced once a call starts, leniently: a keyword the
     # grammar engine lacks (Claude Code uses `propertyNames`) is skipped, not refused.
     tools = [Tool(t.name, t.description, t.input_schema, strict=True, lenient=True)
@@ -95,6 +117,7 @@ def parse_messages(raw: dict[str, Any], vocab_size: int, require_max_tokens: boo
     return ChatRequest(messages, sampling_params(body, vocab_size), body.max_tokens, stop, body.stream is True,
                        tools=tools, tool_choice=parse_tool_choice(body.tool_choice),
                        output_format=output_format, reasoning=thinking.type != "disabled",
+                       reasoning_effort=effort_level(thinking),
                        thinking_budget=thinking.budget_tokens if thinking.type == "enabled" else None)
 
 

@@ -105,6 +105,7 @@ class ChatMessage(Struct, kw_only=True):
     content: ChatContent = None
     tool_calls: list[ChatToolCall] | None = None  # assistant
     reasoning_content: str | None = None  # assistant
+    reasoning: str | None = None  # assistant: vLLM's and OpenRouter's name for reasoning_content
     tool_call_id: str | None = None  # tool
 
 

@@ -24,7 +24,16 @@ from lmserve.core.events import (
     ToolCallEvent,
     Usage,
 )
-from lmserve.core.types import ChatRequest, Message, OutputFormat, SamplingParams, Tool, ToolCall, ToolChoice
+from lmserve.core.types import (
+    ChatRequest,
+    Message,
+    OutputFormat,
+    SamplingParams,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    name_tool_results,
+)
 from lmserve.http import chat_schema as schema
 from lmserve.http.common import KEEPALIVE_COMMENT, sse
 from lmserve.http.reply_summary import ReplySummary
@@ -37,6 +46,7 @@ GRAMMAR_EXTENSIONS = {"grammar": "gbnf", "regex": "regex", "lark": "lark", "json
 # Names the renderer passes to the chat template itself: chat_template_kwargs may not replace them.
 RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
 NO_REASONING = ("none", "minimal")
+EFFORT_LEVELS = ("low", "medium", "high")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repeat_penalty", "seed")
 MAX_SEED = 2**64 - 1
@@ -55,14 +65,22 @@ def text_content(content: str | list[Any] | None) -> str:
 
 
 def chat_message(raw: schema.ChatMessage) -> Message:
+    """One message; a call's arguments stay JSON text (the template gets them as a dict)."""
     message = Message(ROLE_ALIASES.get(raw.role, raw.role), text_content(raw.content))
     if raw.role == "assistant":
         message.tool_calls = [ToolCall(call.id or f"call_{j}", call.function.name, call.function.arguments)
                               for j, call in enumerate(raw.tool_calls or [])]
-        message.reasoning = raw.reasoning_content
+        message.reasoning = raw.reasoning_content if raw.reasoning_content is not None else raw.reasoning
     if raw.role == "tool":
         message.tool_call_id = raw.tool_call_id
     return message
+
+
+def chat_messages(raw: list[schema.ChatMessage]) -> list[Message]:
+    """`messages`, each tool result named after the call it answers."""
+    messages = [chat_message(m) for m in raw]
+    name_tool_results(messages)
+    return messages
 
 
 def chat_tools(tools: list[schema.ChatTool] | None) -> list[Tool]:
@@ -138,6 +156,14 @@ def reasoning_requested(effort: str | None) -> bool:
     return effort is not None and effort not in NO_REASONING
 
 
+def effort_level(effort: str | None) -> str | None:
+    """OpenAI's effort as gpt-oss's `reasoning_effort` ("low" | "medium" | "high"): none and
+    minimal are low (harmony always reasons), xhigh is high; unset or unknown: the template's default."""
+    if effort in NO_REASONING:
+        return "low"
+    return "high" if effort == "xhigh" else effort if effort in EFFORT_LEVELS else None
+
+
 def stop_strings(stop: str | list[str] | None) -> list[str]:
     return [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
 
@@ -157,7 +183,7 @@ def sampling_params(body: Struct, vocab_size: int) -> SamplingParams:
 
 def parse_chat(raw: dict[str, Any], vocab_size: int) -> tuple[ChatRequest, ChatOptions]:
     body = decode(raw, schema.ChatCompletionsBody)
-    messages = [chat_message(m) for m in body.messages]
+    messages = chat_messages(body.messages)
     if body.n not in (None, 1):
         raise invalid("n", "only n=1 is supported (one process serves one sequence per request)")
     for legacy in ("functions", "function_call"):
@@ -174,6 +200,7 @@ def parse_chat(raw: dict[str, Any], vocab_size: int) -> tuple[ChatRequest, ChatO
                           tools=chat_tools(body.tools), tool_choice=tool_choice(body.tool_choice),
                           output_format=response_format(body, body.response_format),
                           reasoning=reasoning_requested(body.reasoning_effort),
+                          reasoning_effort=effort_level(body.reasoning_effort),
                           template_kwargs=template_kwargs(body.chat_template_kwargs))
     include_usage = body.stream_options is not None and body.stream_options.include_usage is True
     return request, ChatOptions(include_usage=include_usage)

@@ -14,11 +14,12 @@ import msgspec
 
 from lmserve.core.errors import invalid
 from lmserve.core.events import Event, Failed, Finished, KeepAlive, Usage
-from lmserve.core.types import ChatRequest, Message, Tool, ToolCall
+from lmserve.core.types import ChatRequest, Message, Tool, ToolCall, name_tool_results
 from lmserve.http import responses_schema as schema
 from lmserve.http.common import KEEPALIVE_COMMENT, sse
 from lmserve.http.openai_chat import (
     ROLE_ALIASES,
+    effort_level,
     output_format,
     reasoning_requested,
     sampling_params,
@@ -49,7 +50,6 @@ class _History:
     def __init__(self) -> None:
         self.messages: list[Message] = []
         self.reasoning: list[str] = []
-        self.call_names: dict[str, str] = {}
 
     def add(self, message: Message) -> None:
         if message.role == "assistant" and self.reasoning:
@@ -58,7 +58,6 @@ class _History:
         self.messages.append(message)
 
     def call(self, call: ToolCall) -> None:
-        self.call_names[call.id] = call.name
         last = self.messages[-1] if self.messages else None
         if last is not None and last.role == "assistant":
             last.tool_calls.append(call)
@@ -83,8 +82,7 @@ def input_messages(value: str | list[schema.InputItem | None] | None) -> list[Me
             args = item.arguments if isinstance(item, schema.FunctionCallItem) else item.input
             history.call(ToolCall(item.call_id, item.name, args))
         elif isinstance(item, schema.FunctionCallOutputItem):
-            history.add(Message("tool", text_content(item.output), tool_call_id=item.call_id,
-                                name=history.call_names.get(item.call_id)))
+            history.add(Message("tool", text_content(item.output), tool_call_id=item.call_id))
         elif isinstance(item, schema.ReasoningItem):
             history.reasoning.append(_reasoning_text(item))
     return history.messages
@@ -146,12 +144,13 @@ def parse_responses(raw: dict[str, Any], vocab_size: int, store: ResponseStore) 
         raise invalid("input", "is required: a string or a non-empty array of input items")
     messages = [Message("system", body.instructions)] if body.instructions else []
     messages = _merge_leading_system([*messages, *conversation])
+    name_tool_results(messages)  # also results answering a call of the stored history
     effort = body.reasoning.effort if body.reasoning is not None else None
     chat = ChatRequest(messages, sampling, body.max_output_tokens, stop_strings(body.stop), body.stream is True,
                        session_id=body.prompt_cache_key,
                        tools=[Tool(t["name"], t["description"], t["parameters"], t["strict"]) for t in tools],
                        tool_choice=tool_choice(body.tool_choice), output_format=fmt,
-                       reasoning=reasoning_requested(effort),
+                       reasoning=reasoning_requested(effort), reasoning_effort=effort_level(effort),
                        template_kwargs=template_kwargs(body.chat_template_kwargs))
     return ResponsesCall(chat, conversation, keep, echo)
 

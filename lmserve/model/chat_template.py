@@ -30,6 +30,8 @@ CHATML_TEMPLATE = (
     " + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_PROBE_TOOLS = [{"type": "function", "function": {"name": name, "description": name, "parameters": {
+    "type": "object", "properties": {}}}} for name in ("probe_a", "probe_b")]
 
 
 class TemplateError(Exception):
@@ -153,7 +155,50 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
         self.supports_tools = "tools" in variables
         self.supports_thinking = "enable_thinking" in variables
+        self.supports_effort = "reasoning_effort" in variables  # gpt-oss: "low" | "medium" | "high"
         self.supports_system = self._accepts_system()
+        # Roles must alternate user/assistant (Gemma, Mistral): two user turns in a row are refused.
+        self.alternates = (self._renders([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                          {"role": "user", "content": "c"}]) is not None
+                           and self._renders([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+                           is None)
+        # How past calls must be shaped (see _probe_calls); all True for a template without tools.
+        self.short_call_ids = False  # Mistral: call ids are 9 alphanumerics
+        self.parallel_calls = True  # False: one call per assistant turn (Llama 3.1 raises, gpt-oss drops the rest)
+        self.calls_take_text_and_thinking = True  # False: gpt-oss refuses both on a call turn
+        self.user_after_results = True  # False: Mistral wants the assistant's answer after tool results
+        if self.supports_tools:
+            self._probe_calls()
+
+    def _renders(self, messages: list[dict], tools: list[dict] | None = None) -> str | None:
+        """The prompt for a probe conversation, or None when the template refuses it."""
+        try:
+            return self.render(messages, tools=tools)
+        except TemplateError:
+            return None
+
+    def _call_turns(self, call_id: str, names: tuple[str, ...] = ("probe_a",), content: str = "",
+                    thinking: str | None = None, then: tuple[dict, ...] = ()) -> str | None:
+        """A probe: a user turn, an assistant turn calling `names`, their results, `then`."""
+        calls = [{"id": call_id, "type": "function", "function": {"name": n, "arguments": {}}} for n in names]
+        turn = {"role": "assistant", "content": content, "tool_calls": calls, "reasoning_content": thinking}
+        results = [{"role": "tool", "tool_call_id": call_id, "name": n, "content": "r"} for n in names]
+        return self._renders([{"role": "user", "content": "x"}, turn, *results, *then], _PROBE_TOOLS)
+
+    def _probe_calls(self) -> None:
+        """What the template makes of past calls: which ids it accepts, whether one assistant turn
+        may hold two calls, whether a call turn may carry both text and reasoning, whether a user
+        turn may follow the results."""
+        long_id, short_id = "call_0123456789abcdef", "a0b1c2d3e"
+        self.short_call_ids = self._call_turns(long_id) is None and self._call_turns(short_id) is not None
+        call_id = short_id if self.short_call_ids else long_id
+        one = self._call_turns(call_id)
+        if one is None:
+            return  # the probe itself is refused: nothing can be learnt from it
+        both = self._call_turns(call_id, ("probe_a", "probe_b"))  # probe_b is declared in both prompts
+        self.parallel_calls = both is not None and both.count("probe_b") > one.count("probe_b")
+        self.calls_take_text_and_thinking = self._call_turns(call_id, content="c", thinking="t") is not None
+        self.user_after_results = self._call_turns(call_id, then=({"role": "user", "content": "y"},)) is not None
 
     def _accepts_system(self) -> bool:
         """False for templates that raise on a system turn (Gemma 1/2's) but render without one."""
