@@ -5,7 +5,10 @@ memory bandwidth divided by the bytes of weights a token reads. The bandwidth is
 same run (machines and their neighbours vary), with the kernel decode itself uses: a BLAS
 matrix-vector product over a matrix much larger than the caches.
 
-    python scripts/bench_engine.py [--engine cpu|mlx] [--model PATH] [--grammar]
+    python scripts/bench_engine.py [--engine cpu|mlx] [--model PATH ...] [--rounds N] [--grammar]
+
+With several models, a summary table follows their reports (on MLX: the best of `--rounds`
+interleaved runs of the engine and of mlx-lm's `generate_step` on the same model object).
 """
 
 from __future__ import annotations
@@ -143,7 +146,8 @@ def bench_decode(engine: Engine, prompt: list[int], steps: int, streams: int) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=sorted(LOADERS), default="cpu")
-    parser.add_argument("--model", type=Path, help="GGUF file (default: the embedded SmolLM2)")
+    parser.add_argument("--model", type=Path, nargs="*", default=[],
+                        help="GGUF files, benched one after another (default: the embedded SmolLM2)")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, default=4, help="sequences in the batched decode row")
@@ -153,24 +157,34 @@ def main() -> None:
     parser.add_argument("--grammar", action="store_true", help="also time a JSON-schema grammar per token")
     parser.add_argument("--probe-ready", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    models = args.model or [None]
     if args.probe_ready:  # the child of seconds_to_ready
-        load(args)
+        load(argparse.Namespace(**{**vars(args), "model": models[0]}))
         print("ready", flush=True)
         return
+    bandwidth = measure_bandwidth()
+    summary = [bench_model(argparse.Namespace(**{**vars(args), "model": model}), bandwidth, first=i == 0)
+               for i, model in enumerate(models)]
+    if len(summary) > 1:
+        print_summary(summary, args)
 
+
+def bench_model(args: argparse.Namespace, bandwidth: tuple[float, float], first: bool) -> dict[str, object]:
+    """One model's full report, printed; returns its line of the summary table."""
     ready_s = seconds_to_ready(args)
     load_start = time.perf_counter()
     loaded, config = load(args)
     load_s = time.perf_counter() - load_start
     engine = loaded.engine
 
-    prompt = np.random.default_rng(0).integers(100, config.vocab_size, args.prompt_tokens).tolist()
+    prompt = np.random.default_rng(0).integers(min(100, config.vocab_size // 2), config.vocab_size,
+                                               args.prompt_tokens).tolist()
     engine.prefill(engine.new_cache(8), prompt[:8])  # warm up: BLAS threads, first-call setup
     prompt_tps = bench_prompt(engine, prompt)
     decode_prompt = prompt[:32]
     decode_tps = bench_decode(engine, decode_prompt, args.decode_tokens, 1)
     batch_tps = bench_decode(engine, decode_prompt, args.decode_tokens // 2, args.streams)
-    gemv_bw, copy_bw = measure_bandwidth()
+    gemv_bw, copy_bw = bandwidth
     bound = gemv_bw / loaded.bytes_per_token
 
     rows = [
@@ -188,13 +202,34 @@ def main() -> None:
         ("bandwidth bound", f"{bound:.1f} tok/s"),
         ("decode / bound", f"{decode_tps / bound:.2f}"),
     ]
+    line: dict[str, object] = {"model": Path(args.model or default_model_path()).name, "load": load_s,
+                               "ready": ready_s, "prompt": prompt_tps, "decode": decode_tps, "batch": batch_tps}
     if args.engine == "mlx":
-        rows += mlx_rows(engine, prompt, decode_prompt, args)
+        mlx, best = mlx_rows(engine, prompt, decode_prompt, args, starts=first)
+        rows += mlx
+        line |= best
     if args.grammar:
         rows += grammar_rows(engine, args)
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         print(f"{label:<{width}}  {value}")
+    print(flush=True)
+    return line
+
+
+def print_summary(lines: list[dict[str, object]], args: argparse.Namespace) -> None:
+    """One row per model; on MLX the best-of-rounds figures against mlx-lm's own loop."""
+    columns = [("model", "{}"), ("ready", "{:.2f} s"), ("load", "{:.2f} s"), ("prompt", "{:.0f} tok/s"),
+               ("decode", "{:.0f} tok/s")]
+    if args.engine == "mlx":
+        columns += [("greedy", "{:.0f} tok/s"), ("mlx-lm decode", "{:.0f} tok/s"), ("decode ratio", "{:.3f}"),
+                    ("mlx-lm prompt", "{:.0f} tok/s"), ("prompt ratio", "{:.3f}"), ("same ids", "{}")]
+    cells = [[fmt.format(line[key]) for key, fmt in columns] for line in lines]
+    widths = [max(len(key), *(len(row[i]) for row in cells)) for i, (key, _) in enumerate(columns)]
+    print(f"{args.engine}: {args.prompt_tokens}-token prompt, {args.decode_tokens} greedy tokens"
+          + (f", best of {args.rounds} interleaved rounds" if args.engine == "mlx" else ""))
+    for row in [[key for key, _ in columns], *cells]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 # -- grammar: llguidance's mask and consume per token against one decode step -------------------
@@ -278,26 +313,30 @@ def start_times(path: Path) -> list[tuple[float, str]]:
     return [(float(seconds), source) for seconds, source in runs]
 
 
-def mlx_rows(engine: MLXEngine, prompt: list[int], decode_prompt: list[int],
-             args: argparse.Namespace) -> list[tuple[str, str]]:
-    best = dict.fromkeys(("prompt", "decode", "mlx-lm prompt", "mlx-lm decode"), 0.0)
+def mlx_rows(engine: MLXEngine, prompt: list[int], decode_prompt: list[int], args: argparse.Namespace,
+             starts: bool = True) -> tuple[list[tuple[str, str]], dict[str, object]]:
+    best = dict.fromkeys(("prompt", "greedy", "mlx-lm prompt", "mlx-lm decode"), 0.0)
     for _ in range(args.rounds):  # interleaved, best of each: the neighbours' load hits both alike
         decode_tps, ours = bench_greedy(engine, decode_prompt, args.decode_tokens)
         _, their_decode_tps, theirs = bench_mlx_lm(engine, decode_prompt, args.decode_tokens)
         runs = (bench_prompt(engine, prompt), decode_tps, bench_mlx_lm(engine, prompt, 1)[0], their_decode_tps)
         best = {key: max(best[key], value) for key, value in zip(best, runs, strict=True)}
-    (cold, cold_from), (warm, warm_from) = start_times(args.kquant)
-    return [
+    summary = {**best, "decode ratio": best["greedy"] / best["mlx-lm decode"],
+               "prompt ratio": best["prompt"] / best["mlx-lm prompt"], "same ids": ours == theirs}
+    rows = [
         ("conversion", engine.quant_summary),
-        ("greedy decode (device argmax)", f"{best['decode']:.2f} tok/s; mlx-lm generate_step "
+        ("greedy decode (device argmax)", f"{best['greedy']:.2f} tok/s; mlx-lm generate_step "
                                           f"{best['mlx-lm decode']:.2f} tok/s (best of {args.rounds})"),
-        ("decode ratio (>= 0.95)", f"{best['decode'] / best['mlx-lm decode']:.3f}"),
+        ("decode ratio (>= 0.95)", f"{summary['decode ratio']:.3f}"),
         ("prompt", f"{best['prompt']:.2f} tok/s; mlx-lm {best['mlx-lm prompt']:.2f} tok/s; "
-                   f"ratio {best['prompt'] / best['mlx-lm prompt']:.3f}"),
+                   f"ratio {summary['prompt ratio']:.3f}"),
         ("greedy ids equal mlx-lm's", str(ours == theirs)),
-        (f"ready, cold ({args.kquant.name})", f"{cold:.2f} s ({cold_from})"),
-        ("ready, warm (weight cache)", f"{warm:.2f} s ({warm_from})"),
     ]
+    if starts:
+        (cold, cold_from), (warm, warm_from) = start_times(args.kquant)
+        rows += [(f"ready, cold ({args.kquant.name})", f"{cold:.2f} s ({cold_from})"),
+                 ("ready, warm (weight cache)", f"{warm:.2f} s ({warm_from})")]
+    return rows, summary
 
 
 if __name__ == "__main__":

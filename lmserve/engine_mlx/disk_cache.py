@@ -54,7 +54,7 @@ def load(path: Path) -> tuple[dict[str, mx.array], dict[str, Choice]] | None:
 def save(path: Path, arrays: dict[str, mx.array], choices: dict[str, Choice]) -> None:
     """Write atomically and drop older entries for the same model; a failure only logs."""
     metadata = {"format": FORMAT,
-                "choices": json.dumps({k: [c.source, c.bits, c.group_size, c.how] for k, c in choices.items()})}
+                "choices": json.dumps({k: [c.source, c.bits, c.group_size, c.how, c.mode] for k, c in choices.items()})}
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,10 +5,14 @@ built on one thread and driven from the scheduler's worker thread. Only the logi
 positions asked for are computed and copied to the host; `decode_argmax` keeps even those on
 the device and returns one id per sequence. Saved caches are mlx-lm prompt-cache files
 (`save_prompt_cache`), tagged with this model's KV geometry.
+
+Sliding-window layers (Gemma 3, gpt-oss) keep every position like the others, and attend only
+their window (`kv.WindowKVCache`), so a cache can still be truncated or copied to any prefix.
 """
 
 from __future__ import annotations
 
+import operator
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -25,8 +29,8 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 from lmserve.engine.protocol import Engine, check_token_ids
 from lmserve.engine_mlx import disk_cache
 from lmserve.engine_mlx.kv import Batch, MLXKVCache
-from lmserve.engine_mlx.model import build_model, gguf_names
-from lmserve.engine_mlx.weights import Choice, convert, load_native, mx_loadable, summarize
+from lmserve.engine_mlx.model import adjust_weights, build_model, gguf_names
+from lmserve.engine_mlx.weights import Choice, convert, reads_natively, summarize
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile
 
@@ -60,11 +64,11 @@ class _Speculation:
 
     caches: list[MLXKVCache]
     ids: mx.array
-    inputs: np.ndarray | None = None
+    inputs: list[int] | None = None
 
     def continues(self, caches: Sequence[MLXKVCache], token_ids: Sequence[int]) -> bool:
-        return (len(caches) == len(self.caches) and all(a is b for a, b in zip(caches, self.caches, strict=True))
-                and self.inputs is not None and np.array_equal(self.inputs, np.asarray(token_ids)))
+        return (self.inputs is not None and len(caches) == len(self.caches)
+                and all(map(operator.is_, caches, self.caches)) and self.inputs == list(token_ids))
 
 
 class MLXEngine(Engine[MLXKVCache]):
@@ -81,11 +85,12 @@ class MLXEngine(Engine[MLXKVCache]):
         self.kv_dtype_bytes = self.dtype.size  # keys and values are cached in the compute dtype
         self.stream = mx.new_thread_local_stream(mx.default_device())  # all of this engine's work
         with mx.stream(self.stream):
-            self.model = build_model(config)
+            self.model = build_model(config, gguf)
             arrays, choices, self.weights_from = self._arrays(gguf, progress, cache_dir)
-            quant = {name.rsplit(".", 1)[0]: {"group_size": c.group_size, "bits": c.bits}
+            quant = {name.rsplit(".", 1)[0]: {"group_size": c.group_size, "bits": c.bits, "mode": c.mode}
                      for name, c in choices.items() if c.bits is not None}
             nn.quantize(self.model, class_predicate=lambda path, _: quant.get(path, False))
+            adjust_weights(config, arrays)
             self.model.load_weights(list(arrays.items()), strict=True)
             del arrays
             mx.eval(self.model.parameters())
@@ -96,10 +101,11 @@ class MLXEngine(Engine[MLXKVCache]):
 
     def _arrays(self, gguf: GGUFFile, progress: Progress | None,
                 cache_dir: Path | None) -> tuple[dict[str, mx.array], dict[str, Choice], str]:
-        """Native files load straight from the GGUF; others from the disk cache, else converted."""
+        """Native files load straight from the GGUF, tensor by tensor; others from the disk cache,
+        else converted (and cached)."""
         names = gguf_names(self.model, self.config, gguf.tensors)
-        if mx_loadable(gguf, list(names.values())):
-            return *load_native(gguf, names, self.dtype), f"{gguf.path.name} (native)"
+        if reads_natively(gguf, list(names.values())):
+            return *convert(gguf, names, self.dtype, progress), f"{gguf.path.name} (native)"
         path = disk_cache.cache_path(gguf, self.dtype, Path(cache_dir or disk_cache.default_cache_dir()))
         cached = disk_cache.load(path)
         if cached is not None:
@@ -111,9 +117,9 @@ class MLXEngine(Engine[MLXKVCache]):
     # -- forward passes ----------------------------------------------------------------------
 
     def _head(self, h: mx.array) -> mx.array:
-        if self.model.args.tie_word_embeddings:
-            return self.model.model.embed_tokens.as_linear(h)
-        return self.model.lm_head(h)
+        if "lm_head" in self.model:
+            return self.model.lm_head(h)
+        return self.model.model.embed_tokens.as_linear(h)
 
     def _check_ids(self, token_ids: Sequence[int]) -> np.ndarray:
         return check_token_ids(token_ids, self.config.vocab_size).astype(np.uint32)
@@ -147,26 +153,31 @@ class MLXEngine(Engine[MLXKVCache]):
     # -- the engine protocol -----------------------------------------------------------------
 
     def new_cache(self, max_tokens: int) -> MLXKVCache:
-        return MLXKVCache(self.config.n_layers, max_tokens)
+        windows = [self.config.sliding_window if sliding else 0 for sliding in self.config.sliding_layers]
+        return MLXKVCache(self.config.n_layers, max_tokens, windows)
 
     def prefill(self, cache: MLXKVCache, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         ids = self._check_ids(token_ids)
         if not len(ids):
             raise ValueError("prefill needs at least one token")
         cache.reserve(len(ids))
+        # Without all_logits only the last position runs through the last layer's attention and
+        # FFN: the others are needed for their keys and values alone (as in mlx-lm's generate_step).
+        body = ids if all_logits else ids[:-1]
+        chunks = [body[start:start + PREFILL_CHUNK] for start in range(0, len(body), PREFILL_CHUNK)]
+        chunks += [] if all_logits else [ids[-1:]]
         out = []
         with mx.stream(self.stream):
             self._settle()
             layers = cache.own()
-            for start in range(0, len(ids), PREFILL_CHUNK):
-                chunk = ids[start:start + PREFILL_CHUNK]
+            for i, chunk in enumerate(chunks):
                 h = self.model.model(mx.array(chunk)[None], cache=layers)[0]
                 cache.n += len(chunk)
-                if all_logits or start + PREFILL_CHUNK >= len(ids):
-                    out.append(np.array(self._head(h if all_logits else h[-1]).astype(mx.float32)))
+                if all_logits or i == len(chunks) - 1:
+                    out.append(np.array(self._head(h).astype(mx.float32)))
                 else:
                     mx.eval([(layer.keys, layer.values) for layer in layers])
-        return np.concatenate(out) if all_logits else out[-1]
+        return np.concatenate(out) if all_logits else out[-1][-1]
 
     def decode(self, caches: Sequence[MLXKVCache], token_ids: Sequence[int]) -> np.ndarray:
         with mx.stream(self.stream):
@@ -191,9 +202,9 @@ class MLXEngine(Engine[MLXKVCache]):
             if all(c.n < c.capacity for c in caches):
                 self._speculation = _Speculation(list(caches), self._greedy(caches, ids))
                 mx.async_eval(self._speculation.ids)
-            out = np.array(ids).astype(np.int64)
+            out = np.array(ids, dtype=np.int64)
             if self._speculation is not None:
-                self._speculation.inputs = out
+                self._speculation.inputs = out.tolist()
             return out
 
     def _greedy(self, caches: Sequence[MLXKVCache], tokens: mx.array) -> mx.array:
@@ -217,14 +228,14 @@ class MLXEngine(Engine[MLXKVCache]):
         with mx.stream(self.stream):
             self._settle()
             dst.own()
-            dst.layers = [self._fresh(layer.keys, layer.values, n) for layer in src.own()]
+            dst.layers = [self._fresh(dst.empty_layer(i), layer.keys, layer.values, n)
+                          for i, layer in enumerate(src.own())]
             mx.eval([(layer.keys, layer.values) for layer in dst.layers if layer.keys is not None])
         dst.n = n
 
     @staticmethod
-    def _fresh(keys: mx.array | None, values: mx.array | None, n: int) -> KVCache:
-        """A cache with its own preallocated storage holding the first `n` positions given."""
-        layer = KVCache()
+    def _fresh(layer: KVCache, keys: mx.array | None, values: mx.array | None, n: int) -> KVCache:
+        """`layer`, empty, given its own preallocated storage holding the first `n` positions."""
         if n and keys is not None and values is not None:
             layer.update_and_fetch(keys[..., :n, :], values[..., :n, :])
         return layer
@@ -255,7 +266,8 @@ class MLXEngine(Engine[MLXKVCache]):
             if n > max_tokens:
                 raise ValueError(f"{path} holds {n} positions, more than {max_tokens}")
             cache = self.new_cache(max_tokens)
-            cache.layers = [self._fresh(layer.keys, layer.values, n) for layer in layers]
+            cache.layers = [self._fresh(cache.empty_layer(i), layer.keys, layer.values, n)
+                            for i, layer in enumerate(layers)]
             mx.eval([(layer.keys, layer.values) for layer in cache.layers if layer.keys is not None])
         cache.n = n
         return cache

@@ -6,6 +6,12 @@ positions). Sequences decoded together are merged into one left-padded `BatchKVC
 so a steady batch copies nothing; a sequence that leaves it takes its row back, and the others
 stay merged. Per-row lengths differ: the batch cache's mask hides each row's padding and its
 per-row offsets drive RoPE.
+
+A sliding-window layer (Gemma 3, gpt-oss) keeps every position too, not only its window as mlx-lm's
+`RotatingKVCache` does, so that a cache can be truncated or copied to any prefix for KV reuse; but
+it hands attention only the positions some query of the step can see (the window, plus the step's
+own), with a mask in those coordinates: attention costs what the window costs, however long the
+sequence.
 """
 
 from __future__ import annotations
@@ -13,16 +19,73 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from lmserve.engine.protocol import CacheFullError
 
 
-class MLXKVCache:
-    """One sequence's keys and values on the device."""
+class WindowKVCache(KVCache):
+    """A sliding layer's cache: every position kept, the last `window` (and the step's) attended."""
 
-    def __init__(self, n_layers: int, max_tokens: int) -> None:
-        self.layers: list[KVCache] = [KVCache() for _ in range(n_layers)]
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.window = window
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        k, v = super().update_and_fetch(keys, values)
+        seen = self.window + keys.shape[2] - 1
+        return (k[..., -seen:, :], v[..., -seen:, :]) if k.shape[2] > seen else (k, v)
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> mx.array | None:
+        if N == 1 and self.offset >= self.window - 1:
+            return None  # exactly the window is fetched
+        return create_causal_mask(N, min(self.offset, self.window - 1), window_size=self.window)
+
+
+class BatchWindowKVCache(BatchKVCache):
+    """`WindowKVCache` for merged rows: the fetched columns start where the window of the step's
+    first query does; the left padding moves with them."""
+
+    window = 0
+
+    def _first(self) -> int:
+        """The first column a step's queries can see: its first query's window starts there."""
+        return max(0, self._idx - self.window + 1)
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: object) -> mx.array:
+        start = self._first()
+        return create_causal_mask(N, offset=self._idx - start, window_size=self.window,
+                                  left_padding=self.left_padding - start)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        start = self._first()
+        k, v = super().update_and_fetch(keys, values)
+        return (k[..., start:, :], v[..., start:, :]) if start else (k, v)
+
+    def extract(self, idx: int) -> KVCache:
+        row = super().extract(idx)
+        layer = WindowKVCache(self.window)
+        layer.keys, layer.values, layer.offset = row.keys, row.values, row.offset
+        return layer
+
+
+def merged(layers: Sequence[KVCache]) -> BatchKVCache:
+    """One layer of several sequences as one batch cache, windowed when the layer is."""
+    batch = BatchKVCache.merge(layers)
+    if isinstance(layers[0], WindowKVCache):  # (merge makes a plain BatchKVCache of empty rows itself)
+        batch.__class__ = BatchWindowKVCache
+        batch.window = layers[0].window
+    return batch
+
+
+class MLXKVCache:
+    """One sequence's keys and values on the device. `windows`: per layer, the positions a
+    sliding layer attends (0: all)."""
+
+    def __init__(self, n_layers: int, max_tokens: int, windows: Sequence[int] = ()) -> None:
+        self.windows = tuple(windows) or (0,) * n_layers
+        self.layers: list[KVCache] = [self.empty_layer(i) for i in range(n_layers)]
         self.batch: Batch | None = None  # while set, `layers` is stale and the batch holds the row
         self.n = 0
         self._capacity = max_tokens
@@ -40,6 +103,9 @@ class MLXKVCache:
         if self.batch is not None:
             return self.batch.nbytes // len(self.batch.members)
         return sum(layer.nbytes for layer in self.layers)
+
+    def empty_layer(self, i: int) -> KVCache:
+        return WindowKVCache(self.windows[i]) if self.windows[i] else KVCache()
 
     def own(self) -> list[KVCache]:
         """This sequence's own per-layer caches, taking its row back from a batch if needed."""
@@ -59,7 +125,7 @@ class Batch:
         for cache in members:
             cache.own()
         self.members = list(members)
-        self.layers = [BatchKVCache.merge([m.layers[i] for m in members]) for i in range(len(members[0].layers))]
+        self.layers = [merged([m.layers[i] for m in members]) for i in range(len(members[0].layers))]
         for cache in members:
             cache.layers = []
             cache.batch = self
@@ -94,7 +160,8 @@ class Batch:
         rows = [i for i, m in enumerate(self.members) if any(m is c for c in caches)]
         for i in rows:
             cache = self.members[i]
-            cache.layers = [layer.extract(i) if layer.keys is not None else KVCache() for layer in self.layers]
+            cache.layers = [layer.extract(i) if layer.keys is not None else cache.empty_layer(j)
+                            for j, layer in enumerate(self.layers)]
             cache.batch = None
         mx.eval([(layer.keys, layer.values) for c in caches for layer in c.layers if layer.keys is not None])
         kept = [i for i in range(len(self.members)) if i not in rows]

@@ -12,10 +12,22 @@ width plus two adds 25-33% of the source's RMS error, plus four about 6%, at any
 The rule: the smallest width of at least source + 2 bits, and the largest group, whose added
 error on this tensor is within a third of what a source-width quantizer does to it and within 2%
 of the weights' RMS (the second bound binds for 2- and 3-bit sources, whose own error is 15-30%).
+MXFP4 (gpt-oss's experts) is MLX's own `mxfp4` mode with the nibbles reordered.
+An expert stack (`[experts, out, in]`) gets one width for all its experts (MLX stores it as one
+array) and is converted one expert slice at a time.
+
+Memory: loading holds the converted model and one chunk of rows in flight, nothing more. Tensor
+bytes come from plain file reads (a memory map's pages would stay resident beside the copy), each
+chunk is converted and evaluated before the next is read, and each tensor is assembled in place in
+its final array. Measured on a 1.1 GB llama-shaped file (scripts/bench_load_memory.py), loading
+adds 1.18x the file's size to the process for Q8_0 and 1.38x for Q4_K (converted) on the CPU
+backend, whose float32 scales and biases make the weights themselves 1.18x and 1.33x the file;
+1.07x and 1.15x with a GPU's float16 ones. (Read through `mx.load` and a memory map before: 2.1x and 2.5x.)
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -28,8 +40,11 @@ from lmserve.model.gguf_file import GGUFFile, TensorInfo
 
 Q = GGMLQuantizationType
 FLOAT_TYPES = {Q.F32, Q.F16, Q.BF16}
-EXACT_BITS = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q4_K: 4, Q.Q5_K: 5}
-MX_LOAD_TYPES = {Q.Q8_0, Q.Q4_0, Q.Q4_1} | FLOAT_TYPES  # what `mx.load` reads from a .gguf unconverted
+EXACT_BITS = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q4_K: 4, Q.Q5_K: 5, Q.MXFP4: 4}
+MX_LOAD_TYPES = {Q.Q8_0, Q.Q4_0, Q.Q4_1} | FLOAT_TYPES  # what `mx.load` reads from a .gguf itself
+# MLX's own formats with the bits rearranged: Q8_0/Q4_0/Q4_1 affine, MXFP4 (gpt-oss experts) mxfp4.
+MOVED_BITS = {Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.MXFP4}
+NATIVE_TYPES = MOVED_BITS | FLOAT_TYPES
 BLOCK = 32  # weights per affine group in every exact type
 # Bits of precision per weight of each re-quantized source type (its grid, not its storage cost).
 SOURCE_BITS = {Q.Q2_K: 2, Q.Q3_K: 3, Q.Q6_K: 6, Q.IQ4_NL: 4, Q.IQ4_XS: 4, Q.IQ3_XXS: 3, Q.IQ3_S: 3,
@@ -41,7 +56,7 @@ GROUP_SIZES = (128, 64, 32)  # largest first: fewer scales per weight
 NOISE_SHARE = 1 / 3  # most error re-quantizing may add, relative to a source-width quantizer's
 MAX_ADDED_ERROR = 0.02  # and relative to the weights' RMS
 SAMPLE_ROWS = 256  # rows the width and group size are measured on
-CHUNK_ELEMENTS = 1 << 22  # weights converted at a time: bounds the float32 peak
+CHUNK_ELEMENTS = 1 << 20  # weights converted at a time: bounds the float32 temporaries (~30 MB)
 
 Progress = Callable[[int, int], None]
 
@@ -54,11 +69,13 @@ class Choice:
     bits: int | None  # None: kept as floats
     group_size: int | None
     how: str  # "exact" or "requantized"; "" for floats
+    mode: str = "affine"  # MLX's quantization mode: "affine" (scales and biases) or "mxfp4"
 
     def label(self) -> str:
         if self.bits is None:
             return f"{self.source} as float"
-        return f"{self.source} -> {self.bits}-bit g{self.group_size} ({self.how})"
+        mode = "" if self.mode == "affine" else f" {self.mode}"
+        return f"{self.source} -> {self.bits}-bit g{self.group_size}{mode} ({self.how})"
 
 
 def summarize(choices: dict[str, Choice]) -> str:
@@ -69,14 +86,17 @@ def summarize(choices: dict[str, Choice]) -> str:
     return "; ".join(f"{n} x {label}" for label, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def mx_loadable(gguf: GGUFFile, names: list[str]) -> bool:
-    """True when `mx.load` reads every tensor the model needs without converting any."""
-    return all(gguf.tensors[n].qtype in MX_LOAD_TYPES for n in names)
+def reads_natively(gguf: GGUFFile, names: list[str]) -> bool:
+    """True when every tensor the model needs is a type MLX computes on as stored (floats, and the
+    block types whose bits only move): nothing worth caching converted."""
+    return all(gguf.tensors[n].qtype in NATIVE_TYPES for n in names)
 
 
 def load_native(gguf: GGUFFile, names: dict[str, str],
                 dtype: mx.Dtype) -> tuple[dict[str, mx.array], dict[str, Choice]]:
-    """`mx.load` on the .gguf itself. `names` maps MLX parameter names to GGUF tensor names."""
+    """`mx.load` on the .gguf itself: MLX's own reader, the reference `convert`'s repacking is
+    checked against. The engine does not use it: it holds the whole file read in and its copy at
+    once (measured: it adds 2.1x the file's size for Q8_0, against 1.18x tensor by tensor)."""
     loaded = mx.load(str(gguf.path))
     arrays: dict[str, mx.array] = {}
     choices: dict[str, Choice] = {}
@@ -95,60 +115,117 @@ def load_native(gguf: GGUFFile, names: dict[str, str],
     return arrays, choices
 
 
+class TensorReader:
+    """A GGUF's tensor bytes by plain reads of the file, a bounded number of rows at a time. Pages
+    of a memory map stay resident, counted as the process's own memory, until it is unmapped: a
+    loader reading a whole model through one holds the file on top of what it builds from it."""
+
+    def __init__(self, gguf: GGUFFile) -> None:
+        self.path = gguf.path
+        self._fd = os.open(gguf.path, os.O_RDONLY)
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)
+
+    def rows(self, info: TensorInfo, start: int, stop: int) -> np.ndarray:
+        """Stored rows `start:stop` (over all but the last dimension) as bytes `[rows, row_bytes]`."""
+        row_bytes = info.nbytes // _n_rows(info)
+        out = np.empty((stop - start, row_bytes), np.uint8)
+        view, done, at = memoryview(out).cast("B"), 0, info.offset + start * row_bytes
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], at + done)
+            if n <= 0:
+                raise OSError(f"{self.path}: the file ends inside tensor {info.name}")
+            done += n
+        return out
+
+    def pick(self, info: TensorInfo, rows: np.ndarray) -> np.ndarray:
+        return np.concatenate([self.rows(info, int(r), int(r) + 1) for r in rows])
+
+
 def convert(gguf: GGUFFile, names: dict[str, str], dtype: mx.Dtype,
             progress: Progress | None = None) -> tuple[dict[str, mx.array], dict[str, Choice]]:
-    """Tensor by tensor from the memory map: each is converted and evaluated before the next."""
+    """Tensor by tensor, each a bounded number of rows at a time (an expert stack one expert at a
+    time): each chunk is converted and evaluated before the next is read, so the only float copy
+    is of one chunk, and what is held is the converted model plus one tensor being assembled."""
     arrays: dict[str, mx.array] = {}
     choices: dict[str, Choice] = {}
-    for done, (mlx_name, gguf_name) in enumerate(names.items(), 1):
-        info = gguf.tensors[gguf_name]
-        base = mlx_name.rsplit(".", 1)[0]
-        matrix = len(info.shape) == 2 and info.shape[1] % BLOCK == 0
-        if info.qtype in FLOAT_TYPES:
-            arrays[mlx_name] = _float(gguf, info).astype(dtype)
-            choices[mlx_name] = Choice(info.qtype.name, None, None, "")
-        elif matrix and info.qtype in EXACT_BITS:
-            bits = EXACT_BITS[info.qtype]
-            parts = [_exact(raw, info.qtype, bits) for raw in _raw_chunks(gguf, info)]
-            arrays.update(_joined(base, parts, dtype))
-            choices[mlx_name] = Choice(info.qtype.name, bits, BLOCK, "exact")
-        elif matrix:
-            bits, group = _choose(gguf, info, dtype)
-            parts = [mx.quantize(mx.array(gguf_quants.dequantize(raw, info.qtype)), group_size=group, bits=bits)
-                     for raw in _raw_chunks(gguf, info)]
-            arrays.update(_joined(base, parts, dtype))
-            choices[mlx_name] = Choice(info.qtype.name, bits, group, "requantized")
-        else:  # vectors, or rows no MLX group size divides
-            arrays[mlx_name] = mx.array(gguf.dequantize(gguf_name)).astype(dtype)
-            choices[mlx_name] = Choice(info.qtype.name, None, None, "")
-        mx.eval([a for k, a in arrays.items() if k.startswith(base + ".")])
-        if progress is not None:
-            progress(done, len(names))
+    with TensorReader(gguf) as reader:
+        for done, (mlx_name, gguf_name) in enumerate(names.items(), 1):
+            converted, choices[mlx_name] = _convert(reader, gguf.tensors[gguf_name], mlx_name, dtype)
+            arrays.update(converted)
+            if progress is not None:
+                progress(done, len(names))
+    mx.clear_cache()  # the chunks' buffers, kept by MLX for reuse
     return arrays, choices
 
 
-def _float(gguf: GGUFFile, info: TensorInfo) -> mx.array:
-    raw = gguf.raw(info.name)
-    if info.qtype == Q.BF16:
-        return mx.array(raw.view(np.uint16).reshape(info.shape)).view(mx.bfloat16)
-    return mx.array(raw.view(np.float32 if info.qtype == Q.F32 else np.float16).reshape(info.shape))
+def _convert(reader: TensorReader, info: TensorInfo, name: str,
+             dtype: mx.Dtype) -> tuple[dict[str, mx.array], Choice]:
+    qtype, base, lead, cols = info.qtype, name.rsplit(".", 1)[0], tuple(info.shape[:-1]), info.shape[-1]
+    if qtype in FLOAT_TYPES:
+        (array,) = _assembled(reader, info, [((_n_rows(info), cols), dtype)],
+                              lambda raw: (_float(raw, info.qtype).reshape(-1, cols).astype(dtype),))
+        return {name: array.reshape(info.shape)}, Choice(qtype.name, None, None, "")
+    if len(info.shape) not in (2, 3) or cols % BLOCK:  # vectors, or rows no group size divides
+        raw = reader.rows(info, 0, _n_rows(info))
+        array = mx.array(gguf_quants.dequantize(raw, qtype).reshape(info.shape)).astype(dtype)
+        mx.eval(array)
+        return {name: array}, Choice(qtype.name, None, None, "")
+    if qtype in EXACT_BITS:
+        bits, group, how = EXACT_BITS[qtype], BLOCK, "exact"
+
+        def chunk(raw: np.ndarray) -> tuple[mx.array, ...]:
+            return _exact(raw, qtype, bits)
+    else:
+        (bits, group), how = _choose(reader, info, dtype), "requantized"
+
+        def chunk(raw: np.ndarray) -> tuple[mx.array, ...]:
+            return tuple(mx.quantize(mx.array(gguf_quants.dequantize(raw, qtype)), group_size=group, bits=bits))
+    rows, mode = _n_rows(info), "mxfp4" if qtype == Q.MXFP4 else "affine"
+    shapes = [((rows, cols * bits // 32), mx.uint32)] + (
+        [((rows, cols // group), mx.uint8)] if mode == "mxfp4" else [((rows, cols // group), dtype)] * 2)
+    arrays = _assembled(reader, info, shapes, lambda raw: tuple(
+        a.astype(dt) for a, (_, dt) in zip(chunk(raw), shapes, strict=True)))
+    named = zip((base + ".weight", base + ".scales", base + ".biases"), arrays, strict=False)
+    return {k: v.reshape(*lead, -1) for k, v in named}, Choice(qtype.name, bits, group, how, mode)
 
 
-def _raw_chunks(gguf: GGUFFile, info: TensorInfo, rows: np.ndarray | None = None) -> Iterator[np.ndarray]:
-    """A matrix's stored rows, a bounded number at a time (`rows`: only these)."""
-    n_rows, cols = info.shape
-    block, type_size = GGML_QUANT_SIZES[info.qtype]
-    raw = gguf.raw(info.name).reshape(n_rows, cols // block * type_size)
-    if rows is not None:
-        raw = raw[rows]
+def _assembled(reader: TensorReader, info: TensorInfo, shapes: list[tuple[tuple[int, int], mx.Dtype]],
+               chunk: Callable[[np.ndarray], tuple[mx.array, ...]]) -> list[mx.array]:
+    """The arrays of one tensor, allocated once and filled a chunk of rows at a time: MLX updates
+    a slice in place when nothing else holds the array, so no second copy of the tensor exists."""
+    outs = [mx.zeros(shape, dt) for shape, dt in shapes]
+    mx.eval(outs)
+    for start, stop in _spans(info):
+        parts = chunk(reader.rows(info, start, stop))
+        for i, part in enumerate(parts):
+            outs[i][start:stop] = part
+        del parts
+        mx.eval(outs)
+    return outs
+
+
+def _n_rows(info: TensorInfo) -> int:
+    return int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+
+
+def _spans(info: TensorInfo) -> Iterator[tuple[int, int]]:
+    """Row ranges of at most CHUNK_ELEMENTS weights, none across two experts of a stack."""
+    rows, cols = (info.shape[-2] if len(info.shape) > 1 else 1), info.shape[-1]
     step = max(1, CHUNK_ELEMENTS // cols)
-    for start in range(0, raw.shape[0], step):
-        yield raw[start:start + step]
+    for first in range(0, _n_rows(info), rows):
+        for start in range(first, first + rows, step):
+            yield start, min(start + step, first + rows)
 
 
-def _joined(base: str, parts: list, dtype: mx.Dtype) -> dict[str, mx.array]:
-    w, scales, biases = (mx.concatenate(list(p)) if len(p) > 1 else p[0] for p in zip(*parts, strict=True))
-    return {base + ".weight": w, base + ".scales": scales.astype(dtype), base + ".biases": biases.astype(dtype)}
+def _float(raw: np.ndarray, qtype: GGMLQuantizationType) -> mx.array:
+    if qtype == Q.BF16:
+        return mx.array(raw.view(np.uint16)).view(mx.bfloat16)
+    return mx.array(raw.view(np.float32 if qtype == Q.F32 else np.float16))
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -169,12 +246,40 @@ def _affine(blocks: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray
 
 def _exact(raw: np.ndarray, qtype: GGMLQuantizationType, bits: int) -> tuple[mx.array, mx.array, mx.array]:
     """Stored rows of an exact type -> MLX affine arrays holding the same values."""
+    if qtype in MOVED_BITS:
+        return _moved(raw, qtype)
     rows = raw.shape[0]
     w = gguf_quants.dequantize(raw, qtype).reshape(rows, -1, BLOCK)
     scale, bias = (a.reshape(rows, -1, 1) for a in _affine(raw.reshape(-1, GGML_QUANT_SIZES[qtype][1]), qtype))
     q = np.divide(w - bias, scale, out=np.zeros_like(w), where=scale != 0)
     q = np.rint(q).clip(0, (1 << bits) - 1).astype(np.uint8).reshape(rows, -1)
     return _pack(q, bits), mx.array(scale[..., 0]), mx.array(bias[..., 0])
+
+
+def _moved(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[mx.array, ...]:
+    """Q8_0, Q4_0, Q4_1, MXFP4 rows -> MLX's arrays by moving bits, as `mx.load` does: Q8_0's
+    signed bytes become unsigned (q + 128, bias -128 d); Q4_0/Q4_1/MXFP4 store weight j and j + 16
+    of a block in one byte, MLX stores neighbours together. MXFP4 is MLX's mxfp4 as is otherwise:
+    the same e2m1 codes (ggml's table holds their doubles, and its e8m0 scale halves them back) and
+    the same e8m0 scale byte, so no biases."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])
+    if qtype == Q.MXFP4:
+        return mx.array(_nibbles_in_order(blocks[..., 1:]).reshape(rows, -1).view(np.uint32)), \
+            mx.array(np.ascontiguousarray(blocks[..., 0]))
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == Q.Q8_0:
+        return mx.array((blocks[..., 2:] ^ np.uint8(0x80)).reshape(rows, -1).view(np.uint32)), mx.array(d), \
+            mx.array(-128 * d)
+    packed = _nibbles_in_order(blocks[..., 4:] if qtype == Q.Q4_1 else blocks[..., 2:]).reshape(rows, -1).view(np.uint32)
+    bias = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if qtype == Q.Q4_1 else -8 * d
+    return mx.array(packed), mx.array(d), mx.array(bias)
+
+
+def _nibbles_in_order(qs: np.ndarray) -> np.ndarray:
+    """ggml's 16 bytes of a 32-weight block (weight j low, j + 16 high) -> MLX's (2k low, 2k + 1 high)."""
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
 
 
 def _pack(q: np.ndarray, bits: int) -> mx.array:
@@ -191,11 +296,12 @@ def _relative_error(w: mx.array, bits: int, group: int, dtype: mx.Dtype = mx.flo
     return (mx.linalg.norm(back.astype(mx.float32) - w) / mx.maximum(mx.linalg.norm(w), 1e-30)).item()
 
 
-def _choose(gguf: GGUFFile, info: TensorInfo, dtype: mx.Dtype) -> tuple[int, int]:
-    """Bits and group size for one re-quantized tensor, measured on a sample of its rows."""
-    n_rows, cols = info.shape
+def _choose(reader: TensorReader, info: TensorInfo, dtype: mx.Dtype) -> tuple[int, int]:
+    """Bits and group size for one re-quantized tensor (one for a whole expert stack, which MLX
+    stores as one array), measured on a sample of its rows."""
+    n_rows, cols = _n_rows(info), info.shape[-1]
     rows = np.unique(np.linspace(0, n_rows - 1, min(n_rows, SAMPLE_ROWS)).astype(np.int64))
-    sample = mx.array(np.concatenate([gguf_quants.dequantize(r, info.qtype) for r in _raw_chunks(gguf, info, rows)]))
+    sample = mx.array(gguf_quants.dequantize(reader.pick(info, rows), info.qtype))
     src = SOURCE_BITS.get(info.qtype, UNKNOWN_SOURCE_BITS)
     budget = min(NOISE_SHARE * _relative_error(sample, src, BLOCK), MAX_ADDED_ERROR)
     groups = [g for g in GROUP_SIZES if cols % g == 0]

@@ -153,7 +153,7 @@ class ModelConfig:
             quant_mix=gguf.quant_mix(),
             family=family.display_name(md),
             rope_dims=rope_dims if rope_dims != head_dim else 0,
-            rope_theta_local=float(md[f"{arch}.rope.freq_base_swa"]) if f"{arch}.rope.freq_base_swa" in md else None,
+            rope_theta_local=float(md.get(f"{arch}.rope.freq_base_swa") or family.local_rope_base or 0) or None,
             rope_yarn=yarn,
             rope_linear_factor=linear,
             has_rope_freqs="rope_freqs.weight" in tensors,

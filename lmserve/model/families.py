@@ -50,6 +50,7 @@ class Family:
     activation: str = SILU
     router: str = ROUTE_SOFTMAX_TOPK
     scaled_embedding: bool = False
+    local_rope_base: float | None = None  # the sliding layers' RoPE base when the file does not say
     yarn_truncate: bool = True  # gpt-oss's config (and OpenAI's code) leave YaRN's range unrounded
     # (substring of the model's name, lower case) -> its recommendation; the first match wins,
     # "" matches every model of the family.
@@ -95,6 +96,7 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
     Family("qwen3", "Qwen3", sampling=(("coder", QWEN_CODER), ("", QWEN3_THINKING))),
     Family("qwen3moe", "Qwen3 MoE", sampling=(("coder", QWEN_CODER), ("", QWEN3_THINKING))),
     Family("gemma3", "Gemma 3", sliding_pattern=6, activation=GELU_TANH, scaled_embedding=True,
+           local_rope_base=10000.0,  # older Gemma 3 files lack rope.freq_base_swa; llama.cpp's value
            scale=_gemma3_scale, sampling=(
                ("", Sampling(1.0, 0.95, 64, 0.0, source="Gemma 3 recommended settings")),)),
     Family("phi3", "Phi-3"),
