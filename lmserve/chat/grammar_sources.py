@@ -1,4 +1,4 @@
-"""Request -> llguidance grammar source: structured-output formats and the hermes tool-call shape.
+"""Request -> llguidance grammar source: structured-output formats and each family's tool-call shape.
 
 JSON is held to one layout, the one `json.dumps` writes and chat templates render tool calls in
 (", " and ": ", no other whitespace): models have seen it most, and a small model given free
@@ -14,6 +14,17 @@ from typing import Any
 import llguidance
 
 from lmserve.chat.grammar import GrammarError
+from lmserve.chat.harmony import CALL, CHANNEL, CONSTRAIN, END, FUNCTIONS, MESSAGE, RECIPIENT, START
+from lmserve.chat.tool_format import (
+    HARMONY,
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    MISTRAL_ARGS,
+    MISTRAL_CALL_ID,
+    QWEN3_CODER,
+    ToolFormat,
+)
 from lmserve.core.types import OutputFormat, Tool
 
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -31,21 +42,158 @@ def output_grammar(fmt: OutputFormat) -> str:
         raise GrammarError(str(exc)) from None
 
 
+def _json_options(tool: Tool) -> dict[str, Any]:
+    return {**JSON_LAYOUT, "lenient": tool.lenient} if tool.strict else JSON_LAYOUT
+
+
 def _arguments_schema(tool: Tool) -> dict[str, Any]:
     """A tool's arguments: its schema when strict, any JSON object otherwise, in the fixed layout."""
     schema = dict(tool.parameters or ANY_OBJECT) if tool.strict else dict(ANY_OBJECT)
-    options = {**JSON_LAYOUT, "lenient": tool.lenient} if tool.strict else JSON_LAYOUT
-    schema["x-guidance"] = {**options, **(schema.get("x-guidance") or {})}
+    schema["x-guidance"] = {**_json_options(tool), **(schema.get("x-guidance") or {})}
     return schema
 
 
-def call_grammar(tools: list[Tool], marker: Callable[[str], str], start: str, end: str) -> str:
-    """One hermes call, `<tool_call>\\n{"name": N, "arguments": A}\\n</tool_call>`, one alternative
-    per tool so the name is always an offered one and A follows that tool's schema.
-    `marker` spells a marker in Lark (a special token or a quoted literal)."""
-    rules = [f'start: {marker(start)} {json.dumps(chr(10) + "{")} call "}}\\n" {marker(end)}',
-             "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
+def _lit(text: str) -> str:
+    """`text` as a Lark string literal."""
+    return json.dumps(text)
+
+
+def _arguments(tool: Tool) -> str:
+    """The arguments object as a `%json` subgrammar."""
+    return f"%json {json.dumps(_arguments_schema(tool))}"
+
+
+def _alternatives(bodies: list[str]) -> list[str]:
+    """`call: call_0 | call_1 | ...`, one body per tool."""
+    return ["call: " + " | ".join(f"call_{i}" for i in range(len(bodies))),
+            *(f"call_{i}: {body}" for i, body in enumerate(bodies))]
+
+
+Marker = Callable[[str], str]
+NAME_KEY, ARGUMENTS_KEY, PARAMETERS_KEY = '"name": ', '"arguments": ', '"parameters": '
+
+
+def _hermes(tools: list[Tool], marker: Marker, fmt: ToolFormat) -> list[str]:
+    """`<tool_call>\n{"name": N, "arguments": A}\n</tool_call>`"""
+    bodies = [f"{_lit(json.dumps(t.name) + ', ' + ARGUMENTS_KEY)} {_arguments(t)}" for t in tools]
+    return [f"start: {marker(fmt.start)} {_lit(chr(10) + '{' + NAME_KEY)} call {_lit('}' + chr(10))} "
+            f"{marker(fmt.end)}", *_alternatives(bodies)]
+
+
+# Qwen3-Coder: <tool_call>\n<function=N>\n<parameter=P>\nvalue\n</parameter>\n...</function>\n</tool_call>
+PARAMETER_END = "\n</parameter>\n"
+_JSON_TYPES = {"integer", "number", "null", "object", "array"}
+
+
+def _text_value(rule: str, lo: int = 0, hi: int | None = None) -> str:
+    """Free text up to the first `\n</parameter>\n` (included), `lo`..`hi` characters."""
+    count = "*" if not lo and hi is None else f"{{{lo},{'' if hi is None else hi}}}"
+    return f"{rule}[suffix={_lit(PARAMETER_END)}]: /(?s:.{count})/"
+
+
+def _xml_value(rule: str, schema: Any, tool: Tool) -> str:
+    """One parameter's value up to and including `\n</parameter>\n`, as mlx-lm's qwen3_coder
+    parser reads it back by the declared type: strings verbatim, booleans lowercase, the rest JSON.
+    A value of no single type (unions, anyOf) is free text, which the parser reads as it can."""
+    schema = schema if isinstance(schema, dict) else {}
+    kind, enum = schema.get("type"), schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum) and kind in (None, "string"):
+        return f"{rule}: ({' | '.join(_lit(v) for v in enum)}) {_lit(PARAMETER_END)}"
+    if kind == "boolean":
+        return f'{rule}: ("true" | "false") {_lit(PARAMETER_END)}'
+    if kind in _JSON_TYPES:
+        sub = {**schema, "x-guidance": {**_json_options(tool), **(schema.get("x-guidance") or {})}}
+        return f"{rule}: %json {json.dumps(sub)} {_lit(PARAMETER_END)}"
+    if kind == "string":
+        lo, hi = schema.get("minLength"), schema.get("maxLength")
+        return _text_value(rule, int(lo) if isinstance(lo, int) else 0, int(hi) if isinstance(hi, int) else None)
+    return _text_value(rule)
+
+
+def _xml_function(i: int, tool: Tool) -> tuple[str, list[str]]:
+    """One function's body and its parameter rules: the declared parameters in their order (the
+    optional ones may be left out) when strict, else any parameters with text values."""
+    head = _lit(f"{tool.name}>\n")
+    properties = (tool.parameters or {}).get("properties") if tool.strict else None
+    if not isinstance(properties, dict):
+        return f"{head} any_parameter*", []
+    required = set((tool.parameters or {}).get("required") or [])
+    parts, rules = [head], []
+    for j, (name, schema) in enumerate(properties.items()):
+        rule = f"p_{i}_{j}"
+        rules += [f"{rule}: {_lit(f'<parameter={name}>' + chr(10))} {rule}_v", _xml_value(f"{rule}_v", schema, tool)]
+        parts.append(rule if name in required else f"{rule}?")
+    return " ".join(parts), rules
+
+
+def _qwen3_coder(tools: list[Tool], marker: Marker, fmt: ToolFormat) -> list[str]:
+    bodies, rules = [], []
     for i, tool in enumerate(tools):
-        head = json.dumps(f'"name": {json.dumps(tool.name)}, "arguments": ')
-        rules.append(f"call_{i}: {head} %json {json.dumps(_arguments_schema(tool))}")
+        body, more = _xml_function(i, tool)
+        bodies.append(body)
+        rules += more
+    return [f"start: {marker(fmt.start)} {_lit(chr(10) + '<function=')} call {_lit('</function>' + chr(10))} "
+            f"{marker(fmt.end)}", *_alternatives(bodies), *rules,
+            'any_parameter: "<parameter=" /[^\\s<>=]+/ ">\\n" any_value', _text_value("any_value")]
+
+
+def _mistral(tools: list[Tool], marker: Marker, fmt: ToolFormat, forced: bool) -> list[str]:
+    """`[TOOL_CALLS]N[ARGS]{...}` (Mistral Small 3.2: `[TOOL_CALLS]N[CALL_ID]id[ARGS]{...}`), or the
+    older `[TOOL_CALLS] [{"name": N, "arguments": {...}}, ...]`. Forced: one call, in the form the
+    template renders; under auto either form."""
+    call_id = f" {marker(MISTRAL_CALL_ID)} /[a-zA-Z0-9]{{9}}/" if fmt.call_id else ""
+    bodies = [f"{_lit(t.name)}{call_id} {marker(MISTRAL_ARGS)} {_arguments(t)}" for t in tools]
+    items = [f"{_lit(json.dumps(t.name) + ', ' + ARGUMENTS_KEY)} {_arguments(t)}" for t in tools]
+    listed = ['listed: " "? "[" item ("," " " item)* "]"', f"item: {_lit('{' + NAME_KEY)} item_call {_lit('}')}",
+              "item_call: " + " | ".join(f"call_{len(tools) + i}" for i in range(len(items))),
+              *(f"call_{len(tools) + i}: {item}" for i, item in enumerate(items))]
+    if forced and fmt.listed:
+        return [f"start: {marker(fmt.start)} \" \"? \"[\" item \"]\"", *listed[1:]]
+    start = f"start: {marker(fmt.start)} call" if forced else f"start: {marker(fmt.start)} (call | listed)"
+    return [start, *_alternatives(bodies), *([] if forced else listed)]
+
+
+def _llama(tools: list[Tool], marker: Marker, fmt: ToolFormat, forced: bool) -> list[str]:
+    """`{"name": N, "parameters": {...}}`, after `<|python_tag|>` or alone (forced: alone, as the
+    template renders a call)."""
+    bodies = [f"{_lit(json.dumps(t.name) + ', ' + PARAMETERS_KEY)} {_arguments(t)} {_lit('}')}" for t in tools]
+    tag = "" if forced else f"{marker(fmt.start)}? "
+    return [f"start: {tag}{_lit('{' + NAME_KEY)} call", *_alternatives(bodies)]
+
+
+HARMONY_FORCED_THINKING = 1024  # tokens of analysis a forced call may start with
+
+
+def _harmony(tools: list[Tool], marker: Marker, forced: bool) -> list[str]:
+    """`<|channel|>commentary to=functions.N <|constrain|>json<|message|>{...}<|call|>`. Forced: the
+    whole reply, an optional analysis message first (gpt-oss always reasons; the prompt asks for
+    low effort); under auto: from `to=` on, in either header order the model writes."""
+    channel, message, constrain = marker(CHANNEL), marker(MESSAGE), marker(CONSTRAIN)
+    bodies = [f"{_lit(t.name)} head {message} {_arguments(t)} {marker(CALL)}" for t in tools]
+    if forced:
+        return [f"start: analysis? {channel} {_lit('commentary ' + RECIPIENT + FUNCTIONS)} call",
+                f'analysis: {channel} "analysis" {message} thought {marker(END)} {marker(START)} "assistant"',
+                f"thought[max_tokens={HARMONY_FORCED_THINKING}]: /(?s:.*)/",
+                f'head: " " {constrain} "json"', *_alternatives(bodies)]
+    return [f"start: {_lit(RECIPIENT + FUNCTIONS)} call",
+            f'head: " "? ({channel} "commentary" " "?)? {constrain}? "json"?', *_alternatives(bodies)]
+
+
+def call_grammar(fmt: ToolFormat, tools: list[Tool], marker: Marker, forced: bool) -> str:
+    """One call in `fmt`'s own format, one alternative per tool, so the name is always an offered
+    one and the arguments follow that tool's schema (when strict). `forced`: the grammar is the
+    whole reply; else it takes over once the router sees a call open, from the opener on (harmony:
+    from `to=`). `marker` spells a marker in Lark (a special token, or a quoted literal)."""
+    if fmt.family == HERMES:
+        rules = _hermes(tools, marker, fmt)
+    elif fmt.family == QWEN3_CODER:
+        rules = _qwen3_coder(tools, marker, fmt)
+    elif fmt.family == MISTRAL:
+        rules = _mistral(tools, marker, fmt, forced)
+    elif fmt.family == LLAMA3:
+        rules = _llama(tools, marker, fmt, forced)
+    elif fmt.family == HARMONY:
+        rules = _harmony(tools, marker, forced)
+    else:
+        raise GrammarError(f"no call grammar for the {fmt.family} tool-call format")
     return llguidance.LLMatcher.grammar_from_lark("\n".join(rules))

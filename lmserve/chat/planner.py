@@ -10,12 +10,12 @@ import json
 import threading
 from collections.abc import Callable
 
-from lmserve.chat import tool_format
+from lmserve.chat import harmony, tool_format
 from lmserve.chat.grammar import CompiledGrammar, GrammarError, Grammars
 from lmserve.chat.grammar_sources import call_grammar, output_grammar
 from lmserve.chat.reply import ReplyPlan
 from lmserve.chat.reply_router import THINK_CLOSE, THINK_OPEN, CallRouting
-from lmserve.chat.tool_format import ToolFormat
+from lmserve.chat.tool_format import HARMONY, ToolFormat
 from lmserve.core.errors import RequestError
 from lmserve.core.types import ChatRequest, OutputFormat, Tool
 from lmserve.model.chat_template import ChatTemplate
@@ -25,14 +25,17 @@ _UNDETECTED = object()
 
 
 class ReplyPlanner:
-    """Knows the model's reply conventions (think tags, tool-call format) and compiles grammars."""
+    """Knows the model's reply conventions (think tags or harmony channels, tool-call format) and
+    compiles grammars."""
 
     def __init__(self, tokenizer: Tokenizer, template: ChatTemplate) -> None:
         self.tokenizer = tokenizer
         self.template = template
         self.grammars = Grammars(tokenizer)
-        self.think = template.supports_thinking or THINK_OPEN in template.source
-        self._close_think = tokenizer.encode(f"\n{THINK_CLOSE}\n\n", add_special=False, parse_special=True)
+        self.harmony = tool_format.family_of(template) == HARMONY  # gpt-oss: the reply is channels
+        self.think = not self.harmony and (template.supports_thinking or THINK_OPEN in template.source)
+        close = harmony.CLOSE_ANALYSIS if self.harmony else f"\n{THINK_CLOSE}\n\n"
+        self._close_think = tokenizer.encode(close, add_special=False, parse_special=True)
         self._format: ToolFormat | None | object = _UNDETECTED
         self._format_lock = threading.Lock()
 
@@ -59,7 +62,8 @@ class ReplyPlanner:
 
     def plan(self, request: ChatRequest, prompt: str) -> ReplyPlan:
         """Raises RequestError (400) for a grammar that does not compile or a tool_choice that
-        names no offered tool."""
+        names no offered tool. A forced tool_choice is a grammar over the whole reply in the
+        family's own call format; under auto the same call grammar guards each call once it opens."""
         plan = ReplyPlan(think=self.think, thinking_budget=request.thinking_budget, close_think=self._close_think)
         fmt_request = request.output_format
         if fmt_request is not None:
@@ -75,9 +79,11 @@ class ReplyPlanner:
             plan.calls = CallRouting(fmt, [t.to_template() for t in tools], frozenset(t.name for t in tools))
         if choice.forced:
             candidates = [t for t in tools if choice.mode == "required" or t.name == choice.name]
-            plan.grammar = self._call_grammar(fmt, candidates)
-        elif fmt is not None and fmt.hermes and plan.grammar is None:
-            plan.call_grammar = self._call_grammar(fmt, tools)
+            plan.grammar = self._call_grammar(fmt, candidates, forced=True)
+        elif fmt is not None and fmt.grammar and plan.grammar is None:
+            plan.call_grammar = self._call_grammar(fmt, tools, forced=False)
+        if self.harmony:  # where the reply starts: a header, or inside a message the prompt opened
+            plan.harmony = harmony.start_state(prompt, governed=plan.grammar is not None and not choice.forced)
         plan.in_think = self.think and plan.grammar is None and prompt.rstrip().endswith(THINK_OPEN)
         return plan
 
@@ -90,12 +96,12 @@ class ReplyPlanner:
             plan.grammar = self._compile(lambda: output_grammar(output_format), output_format.param)
         return plan
 
-    def _call_grammar(self, fmt: ToolFormat | None, tools: list[Tool]) -> CompiledGrammar:
-        if fmt is None or not fmt.hermes:
+    def _call_grammar(self, fmt: ToolFormat | None, tools: list[Tool], forced: bool) -> CompiledGrammar:
+        if fmt is None or not fmt.grammar:  # a family mlx-lm parses that has no call grammar here
             family = fmt.family if fmt else "unknown"
             raise RequestError(f"tool_choice: forcing a call is not supported for this model's tool-call "
                                f"format ({family}); use auto", 400, "tool_choice")
-        return self._compile(lambda: call_grammar(tools, self.marker, fmt.start, fmt.end), "tools")
+        return self._compile(lambda: call_grammar(fmt, tools, self.marker, forced), "tools")
 
     def _compile(self, source: Callable[[], str], param: str) -> CompiledGrammar:
         try:

@@ -1,9 +1,10 @@
 """One sequence's reply: the constraint on its next token, and its tokens turned into events.
 
 Before sampling, the active constraint (if any) masks the logits: the request's grammar for the
-whole reply, the call grammar once the model opens a tool call under tool_choice auto, or the
-closing think tag once thinking has used its budget. After sampling, the token goes through
-TokenStream (UTF-8), the ReplyRouter (reasoning, tool calls, answer text) and a StopFilter on the
+whole reply, the call grammar once the router sees a tool call open under tool_choice auto, or the
+closing think tag (harmony: the end of the analysis message) once thinking has used its budget.
+After sampling, the token goes through TokenStream (UTF-8), the router (ReplyRouter, or
+HarmonyRouter for gpt-oss's channels: reasoning, tool calls, answer text) and a StopFilter on the
 answer text: stop strings end the reply only where they appear in the answer, never inside the
 think block or a tool call's body. Once a stop string appears every later event is dropped.
 """
@@ -16,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lmserve.chat.grammar import CompiledGrammar, Constraint, ForcedTokens
-from lmserve.chat.reply_router import CallRouting, ReplyRouter
+from lmserve.chat.harmony import HarmonyRouter
+from lmserve.chat.reply_router import CallRouting, ReplyRouter, Router
 from lmserve.chat.token_stream import StopFilter, TokenStream
 from lmserve.core.events import Event, TextDelta, TokenLogprob, ToolCallEvent
 
@@ -34,6 +36,7 @@ class ReplyPlan:
     calls: CallRouting | None = None
     grammar: CompiledGrammar | None = None  # governs the whole reply; its end ends the turn
     call_grammar: CompiledGrammar | None = None  # takes over once a call opens (tool_choice auto)
+    harmony: str | None = None  # gpt-oss channels: the state the reply starts in ("header", "analysis", "final")
 
 
 class ReplyDecoder:
@@ -42,16 +45,16 @@ class ReplyDecoder:
     def __init__(self, plan: ReplyPlan, token_bytes: Callable[[int], bytes], stop: list[str],
                  max_tokens: int) -> None:
         self.plan = plan
-        self._token_bytes = token_bytes
         self.stream = TokenStream(token_bytes)  # UTF-8 only: stop strings apply to the answer
-        self.router = ReplyRouter(plan.think, plan.calls, plan.in_think)
+        self.router: Router = (HarmonyRouter(plan.calls, plan.harmony) if plan.harmony
+                               else ReplyRouter(plan.think, plan.calls, plan.in_think))
         self.stops = StopFilter(stop)
         self.constraint: Constraint | None = plan.grammar.constraint() if plan.grammar else None
         self._governing = self.constraint
         budget = int(max_tokens * THINK_SHARE)
         self._think_budget = min(plan.thinking_budget, budget) if plan.thinking_budget else budget
         self._think_closed = False
-        self._since_call = bytearray()  # bytes written since the last constrained call
+        self._calls_seen = 0  # calls the router has opened that the call grammar was offered
         self.reasoning_tokens = 0
         self.tool_calls = 0
         self.complete = False  # the governing grammar is complete
@@ -80,7 +83,7 @@ class ReplyDecoder:
             self.reasoning_tokens += 1
         delta = self.stream.push(token, logprob)
         events = self._answer(self.router.feed(delta)) if delta is not None else []
-        self._next_constraint(token)
+        self._next_constraint()
         return events
 
     def finish(self) -> list[Event]:
@@ -108,7 +111,7 @@ class ReplyDecoder:
         self.tool_calls += sum(isinstance(e, ToolCallEvent) for e in out)
         return out
 
-    def _next_constraint(self, token: int) -> None:
+    def _next_constraint(self) -> None:
         if self.constraint is not None:
             if not self.constraint.finished:
                 return
@@ -119,15 +122,14 @@ class ReplyDecoder:
             if not self._think_closed and self.reasoning_tokens >= self._think_budget and self.plan.close_think:
                 self._think_closed = True
                 self.constraint = ForcedTokens(self.plan.close_think)
-        elif self.plan.call_grammar is not None and self.plan.calls is not None:
-            self._watch_for_call(token, self.plan.call_grammar, self.plan.calls.format.start.encode())
+        elif self.plan.call_grammar is not None and self.router.opened > self._calls_seen:
+            self._watch_for_call(self.plan.call_grammar)
 
-    def _watch_for_call(self, token: int, grammar: CompiledGrammar, start: bytes) -> None:
-        """Hand the rest of a call to the call grammar as soon as its opener is written."""
-        self._since_call += self._token_bytes(token)
-        at = self._since_call.find(start)
-        if at == -1:
-            del self._since_call[: max(0, len(self._since_call) - len(start) + 1)]
-            return
-        self.constraint = grammar.constraint(bytes(self._since_call[at:]))  # None: already malformed
-        self._since_call.clear()
+    def _watch_for_call(self, grammar: CompiledGrammar) -> None:
+        """Hand the rest of a call to the call grammar as soon as the router sees it open: the
+        grammar is primed with what was written from the opener on (the router's text, plus the
+        bytes of a character not complete yet)."""
+        self._calls_seen = self.router.opened
+        written = self.router.open_call
+        if written is not None:  # None: the call opened and closed within this token
+            self.constraint = grammar.constraint(written.encode() + self.stream.pending)  # None: malformed

@@ -1,22 +1,25 @@
 """Final reply text -> answer, reasoning and tool-call events.
 
 Runs after TokenStream (UTF-8 safety) and before StopFilter (stop strings, on answer text only). A leading
-`<think>...</think>` becomes ReasoningDelta; with tools offered, each `<tool_call>...</tool_call>`
-(or the model family's own markers) becomes ToolCallEvent once it closes. Text that could still be
-the start of a marker is held back, as TokenStream holds back stop strings, so a marker split
-across tokens never leaks into the answer. A call that does not parse passes through as text.
+`<think>...</think>` becomes ReasoningDelta; with tools offered, each call in the model family's own
+format (`chat/tool_format.py`) becomes ToolCallEvent once it closes: at its end marker, or where its
+JSON ends for the families without one (Mistral, Llama). Text that could still be the start of a
+marker is held back, as TokenStream holds back stop strings, so a marker split across tokens never
+leaks into the answer. A call that does not parse passes through as text, markers and all.
+gpt-oss's harmony channels have their own router (`chat/harmony.py`) with the same interface.
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from lmserve.chat.tool_format import ToolFormat
+from lmserve.chat.tool_format import CallScanner, ParsedCall, ToolFormat
 from lmserve.core.events import Event, ReasoningDelta, TextDelta, TokenLogprob, ToolCallEvent
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+LEAD_GAP = " \t\r\n;"  # what may sit between two Llama calls (or before the first)
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,9 @@ class CallRouting:
     tools: list[dict[str, Any]]  # template-shaped, as the parsers take them
     names: frozenset[str]
 
+    def parse(self, body: str) -> list[ParsedCall]:
+        return self.format.parse(body, self.tools, self.names)
+
 
 def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest tail of `text` that is a proper prefix of `marker`."""
@@ -36,25 +42,32 @@ def partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+def call_events(calls: list[ParsedCall]) -> list[ToolCallEvent]:
+    return [ToolCallEvent(uuid.uuid4().hex[:24], c.name, c.arguments) for c in calls]
+
+
 @dataclass
-class ReplyRouter:
-    """Per-reply routing state; `feed` final text deltas, `flush` at the end."""
+class Router:
+    """What every router shares: `feed` final text deltas, `flush` at the end of the reply; a
+    subclass steps through its states (`_step`, True while there is more to do) and releases what
+    is left (`_release`). `opened` counts the calls that opened, the decoder's cue for the call
+    grammar, and `open_call` is the open call's text from its opener on (what that grammar must
+    accept)."""
 
-    think: bool = False  # the model has a reasoning channel: route a leading think block
-    calls: CallRouting | None = None
-    in_think: bool = False  # the prompt already opened the think block
-    _state: str = field(init=False)
+    THINKING: ClassVar[str] = ""  # the state that is reasoning
+
+    opened: int = field(init=False, default=0)
+    _state: str = field(init=False, default="")
     _buf: str = field(init=False, default="")
-    _skip_space: bool = field(init=False, default=False)  # drop whitespace after a closed block
     _logprobs: list[TokenLogprob] = field(init=False, default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._state = "think" if self.in_think else "start" if self.think else "text"
-        self._skip_space = self.in_think
 
     @property
     def thinking(self) -> bool:
-        return self._state == "think"
+        return self._state == self.THINKING
+
+    @property
+    def open_call(self) -> str | None:
+        raise NotImplementedError
 
     def feed(self, delta: TextDelta) -> list[Event]:
         self._buf += delta.text
@@ -65,18 +78,61 @@ class ReplyRouter:
         return out
 
     def flush(self) -> list[Event]:
-        """End of reply: whatever is held is released (an unclosed call as plain text)."""
+        """End of reply: whatever is held is released."""
         out: list[Event] = []
         while self._step(out, final=True):
             pass
-        if self._state == "think":
-            self._reasoning(out, self._buf)
-        elif self._state == "call" and self.calls is not None:
-            self._text(out, self.calls.format.start + self._buf)
-        else:
-            self._text(out, self._buf)
+        self._release(out)
         self._buf = ""
         return out
+
+    def _step(self, out: list[Event], final: bool) -> bool:
+        raise NotImplementedError
+
+    def _release(self, out: list[Event]) -> None:
+        raise NotImplementedError
+
+    def _text(self, out: list[Event], text: str) -> None:
+        if text:
+            out.append(TextDelta(text, self._logprobs))
+            self._logprobs = []
+
+    def _reasoning(self, out: list[Event], text: str) -> None:
+        if text:
+            out.append(ReasoningDelta(text))
+            self._logprobs = []
+
+
+@dataclass
+class ReplyRouter(Router):
+    """Per-reply routing state for think tags and the calls of a format with markers."""
+
+    THINKING: ClassVar[str] = "think"
+
+    think: bool = False  # the model has a reasoning channel: route a leading think block
+    calls: CallRouting | None = None
+    in_think: bool = False  # the prompt already opened the think block
+    _skip_space: bool = field(init=False, default=False)  # drop whitespace after a closed block
+    _lead: bool = field(init=False, default=True)  # where the answer starts or a call just ended
+    _opener: str = field(init=False, default="")  # the open call's opener, as written
+    _scan: CallScanner | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self._state = "think" if self.in_think else "start" if self.think else "text"
+        self._skip_space = self.in_think
+
+    @property
+    def open_call(self) -> str | None:
+        return self._opener + self._buf if self._state == "call" else None
+
+    def _release(self, out: list[Event]) -> None:
+        """An unclosed think block is reasoning, an unclosed call plain text."""
+        if self._state == "think":
+            self._reasoning(out, self._buf)
+        elif self._state == "call":
+            self._text(out, self._opener + self._buf)
+        else:
+            self._text(out, self._buf)
 
     # -- one transition at a time; True while there is more to do ------------------------------
 
@@ -119,7 +175,16 @@ class ReplyRouter:
         return True
 
     def _in_text(self, out: list[Event], final: bool) -> bool:
-        start = self.calls.format.start if self.calls else None
+        fmt = self.calls.format if self.calls else None
+        if fmt is not None and fmt.lead and self._lead:
+            rest = self._buf.lstrip(LEAD_GAP)
+            if rest.startswith(fmt.lead):  # a call where one may start: the gap before it is dropped
+                self._open("", rest)
+                return True
+            if not rest and not final:
+                return False  # only a gap so far: hold it until something shows
+            self._lead = False
+        start = fmt.start if fmt else ""
         at = self._buf.find(start) if start else -1
         if at == -1:
             keep = partial_suffix(self._buf, start) if start and not final else 0
@@ -127,34 +192,34 @@ class ReplyRouter:
             self._buf = self._buf[len(self._buf) - keep:]
             return False
         self._text(out, self._buf[:at])
-        self._buf, self._state = self._buf[at + len(start):], "call"
+        self._open(start, self._buf[at + len(start):])
         return True
+
+    def _open(self, opener: str, body: str) -> None:
+        assert self.calls is not None
+        self._opener, self._buf, self._state = opener, body, "call"
+        self._scan = self.calls.format.scanner()
+        self.opened += 1
 
     def _in_call(self, out: list[Event]) -> bool:
-        assert self.calls is not None
-        fmt = self.calls.format
-        at = self._buf.find(fmt.end)
-        if at == -1:
+        assert self.calls is not None and self._scan is not None
+        end = self._scan.end(self._buf)
+        if end is None:
             return False
-        body, self._buf = self._buf[:at], self._buf[at + len(fmt.end):]
-        self._state, self._skip_space = "text", True
+        written, self._buf = self._buf[:end], self._buf[end:]
+        marker = self.calls.format.end
+        body = written[:len(written) - len(marker)] if marker else written
+        self._state, self._skip_space, self._scan = "text", True, None
         try:
-            calls = fmt.parse(body, self.calls.tools, self.calls.names)
+            calls = self.calls.parse(body)
         except ValueError:
-            self._text(out, fmt.start + body + fmt.end)  # malformed: the client sees what was written
+            self._text(out, self._opener + written)  # malformed: the client sees what was written
             return True
-        out.extend(ToolCallEvent(uuid.uuid4().hex[:24], c.name, c.arguments) for c in calls)
-        self._logprobs = []
+        out.extend(call_events(calls))
+        self._logprobs, self._lead = [], True
         return True
-
-    # -- emitting ---------------------------------------------------------------------------------
 
     def _text(self, out: list[Event], text: str) -> None:
         if text:
-            out.append(TextDelta(text, self._logprobs))
-            self._logprobs = []
-
-    def _reasoning(self, out: list[Event], text: str) -> None:
-        if text:
-            out.append(ReasoningDelta(text))
-            self._logprobs = []
+            super()._text(out, text)
+            self._lead = False

@@ -91,6 +91,11 @@ class TokenStream:
     def stop_sequence(self) -> str | None:
         return self._stops.stop_sequence
 
+    @property
+    def pending(self) -> bytes:
+        """The bytes of a character not complete yet (released once a later token completes it)."""
+        return self._utf8.getstate()[0]
+
     def push(self, token_id: int, logprob: TokenLogprob | None = None) -> TextDelta | None:
         """Add one generated token; returns the text that became final, if any."""
         text = self._utf8.decode(self._token_bytes(token_id))

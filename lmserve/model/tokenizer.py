@@ -249,4 +249,8 @@ def _eog_ids(md: dict[str, Any], tokens: list[str]) -> frozenset[int]:
             fim = next((by_text[t] for t in texts if t in by_text), None)
         if fim is not None:
             ids.add(fim)
+    # llama.cpp's rule for gpt-oss's harmony vocabulary: with <|return|> and <|call|> present,
+    # <|end|> only closes a message inside the turn (the analysis before the answer or a call).
+    if "<|return|>" in by_text and "<|call|>" in by_text and "<|end|>" in by_text:
+        ids.discard(by_text["<|end|>"])
     return frozenset(ids)

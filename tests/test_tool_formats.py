@@ -1,0 +1,399 @@
+"""Tool calls and reasoning in each family's own format, on the tiny fixtures' real tokenizers and
+chat templates (tests/data/fixtures/arch): scripted replies fed through the real ReplyDecoder as the
+tokenizer splits them, one byte per token and split in two at every byte, each yielding exactly the
+right calls, text and reasoning; the call grammar guarding a call under tool_choice auto; and a
+forced tool_choice constraining random logits into exactly one call whose arguments validate."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from dataclasses import dataclass
+from functools import cache
+
+import jsonschema
+import numpy as np
+import pytest
+
+from lmserve.chat import harmony
+from lmserve.chat.grammar import ForcedTokens, GrammarConstraint
+from lmserve.chat.planner import ReplyPlanner
+from lmserve.chat.reply import ReplyDecoder, ReplyPlan
+from lmserve.chat.tool_format import HARMONY, HERMES, LLAMA3, MISTRAL, QWEN3_CODER, family_of
+from lmserve.core.events import Event, Finished, ReasoningDelta, TextDelta, ToolCallEvent
+from lmserve.core.types import ChatRequest, Message, SamplingParams, Tool, ToolChoice
+from lmserve.engine.select import load_engine
+from lmserve.model.chat_template import ChatTemplate
+from lmserve.model.gguf_file import GGUFFile
+from lmserve.model.loader import load_model
+from lmserve.model.tokenizer import Tokenizer
+from lmserve.runtime import Runtime, ServerOptions
+from tests.conftest import TEMPLATES
+from tests.families import ARCH, FAMILIES
+from tests.test_reply_routing import drive
+
+WEATHER = Tool("get_weather", "Weather for a city", {
+    "type": "object", "additionalProperties": False, "required": ["city", "unit"], "properties": {
+        "city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}, "exact": {"type": "boolean"},
+        "where": {"type": "object", "additionalProperties": False, "required": ["lat"],
+                  "properties": {"lat": {"type": "integer", "minimum": -90, "maximum": 90}}}}}, strict=True)
+TIME = Tool("get_time", "Local time", {"type": "object", "additionalProperties": False, "required": ["zone"],
+                                       "properties": {"zone": {"type": "string", "maxLength": 6}}}, strict=True)
+TOOLS = [WEATHER, TIME]
+FAMILY_FORMAT = {"llama3": LLAMA3, "qwen3moe": QWEN3_CODER, "gemma3": HERMES, "phi3": HERMES, "mistral": MISTRAL,
+                 "qwen2": HERMES, "gpt-oss": HARMONY}
+
+
+@dataclass(frozen=True)
+class Model:
+    tokenizer: Tokenizer
+    planner: ReplyPlanner
+
+    def plan(self, prompt: str = "", **request: object) -> ReplyPlan:
+        return self.planner.plan(ChatRequest([Message("user", "x")], tools=TOOLS, **request), prompt)  # type: ignore[arg-type]
+
+
+@cache
+def model(family: str, template: str | None = None) -> Model:
+    """A fixture family's tokenizer and planner (its own template, or one of tests/data/templates)."""
+    gguf = GGUFFile(ARCH / family / f"tiny-{family}-F16.gguf")
+    tokenizer = Tokenizer.from_gguf(gguf)
+    chat = ChatTemplate((TEMPLATES / template).read_text()) if template else ChatTemplate.from_gguf(gguf, tokenizer)
+    return Model(tokenizer, ReplyPlanner(tokenizer, chat))
+
+
+# -- what a reply routes to -------------------------------------------------------------------------
+
+
+def segments(events: list[Event]) -> list[tuple]:
+    """Events as ("text", s) / ("reasoning", s) / ("call", name, arguments) with consecutive deltas
+    of one kind merged, so how the text was split does not matter."""
+    out: list[tuple] = []
+    for event in events:
+        if isinstance(event, ToolCallEvent):
+            out.append(("call", event.name, json.loads(event.arguments)))
+            continue
+        kind = "text" if isinstance(event, TextDelta) else "reasoning" if isinstance(event, ReasoningDelta) else None
+        if kind is None:
+            continue
+        if out and out[-1][0] == kind:
+            out[-1] = (kind, out[-1][1] + event.text)
+        else:
+            out.append((kind, event.text))
+    return out
+
+
+def feed(plan: ReplyPlan, pieces: list[bytes]) -> list[tuple]:
+    """Token i spells pieces[i]."""
+    decoder = ReplyDecoder(plan, pieces.__getitem__, [], max_tokens=10_000)
+    events = [e for i in range(len(pieces)) for e in decoder.push(i)]
+    return segments(events + decoder.finish())
+
+
+def check_every_split(m: Model, reply: str, expected: list[tuple], **request: object) -> None:
+    """`reply` routes to `expected` as the tokenizer splits it (with the call grammar guarding each
+    call and allowing every token), one byte per token, and split in two at every byte."""
+    plan = m.plan(**request)
+    decoder = ReplyDecoder(plan, m.tokenizer.token_bytes, [], max_tokens=10_000)
+    events = drive(decoder, m.tokenizer, reply, np.random.default_rng(0))
+    assert segments(events + decoder.finish()) == expected
+    routing = dataclasses.replace(plan, call_grammar=None)  # scripted tokens are not the tokenizer's ids
+    data = reply.encode()
+    assert feed(routing, [data[i:i + 1] for i in range(len(data))]) == expected
+    for cut in range(1, len(data)):
+        assert feed(routing, [data[:cut], data[cut:]]) == expected, f"split at byte {cut}: {data[:cut]!r}"
+
+
+def passes_through(m: Model, reply: str) -> None:
+    """A malformed call is the answer text, exactly as written (no grammar: a guarded call could
+    not be malformed)."""
+    plan = dataclasses.replace(m.plan(), call_grammar=None)
+    data = reply.encode()
+    assert feed(plan, [data[i:i + 1] for i in range(len(data))]) == [("text", reply)]
+    for cut in range(1, len(data)):
+        assert feed(plan, [data[:cut], data[cut:]]) == [("text", reply)]
+
+
+ZURICH = {"city": "Zürich", "unit": "celsius", "days": 3}
+
+
+# -- detection ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_fixture_family_gets_its_own_format(family: str) -> None:
+    m = model(family)
+    assert m.planner.tool_format is not None and m.planner.tool_format.family == FAMILY_FORMAT[family]
+    assert m.planner.tool_format.grammar
+    assert m.planner.harmony == (family == "gpt-oss")
+
+
+@pytest.mark.parametrize(("template", "family"), [
+    ("qwen3.jinja", HERMES), ("qwen2.5.jinja", HERMES), ("qwen3-coder.jinja", QWEN3_CODER),
+    ("llama-3.1.jinja", LLAMA3), ("devstral.jinja", MISTRAL), ("mistral-small-3.2.jinja", MISTRAL),
+    ("gpt-oss.jinja", HARMONY), ("gemma.jinja", HERMES), ("phi-3.5.jinja", HERMES)])
+def test_template_markers_name_the_family(template: str, family: str) -> None:
+    assert family_of(ChatTemplate((TEMPLATES / template).read_text())) == family
+
+
+def test_harmony_end_only_closes_a_message() -> None:
+    """gpt-oss's <|end|> closes the analysis, not the turn (llama.cpp's rule); Phi-3's still ends it."""
+    gpt_oss, phi3 = model("gpt-oss").tokenizer, model("phi3").tokenizer
+    end = gpt_oss.encode("<|end|>", add_special=False, parse_special=True)
+    assert len(end) == 1 and end[0] not in gpt_oss.eog_ids
+    assert {gpt_oss.piece(i) for i in gpt_oss.eog_ids} == {"<|endoftext|>", "<|return|>", "<|call|>"}
+    assert "<|end|>" in {phi3.piece(i) for i in phi3.eog_ids}
+
+
+# -- hermes: Qwen2.5 (special-token markers), Gemma 3 and Phi-3 (folded hermes, spelled-out markers) --
+
+HERMES_REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich", '
+                '"unit": "celsius", "days": 3}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+                '{"zone": "CET"}}\n</tool_call>')
+HERMES_CALLS = [("text", "Let me check.\n"), ("call", "get_weather", ZURICH), ("call", "get_time", {"zone": "CET"})]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3"])
+def test_hermes_calls(family: str) -> None:
+    check_every_split(model(family), HERMES_REPLY, HERMES_CALLS)
+    passes_through(model(family), '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>')
+    passes_through(model(family), '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>')
+
+
+def test_qwen3_thinks_then_calls(planner: ReplyPlanner, qwen3: Tokenizer) -> None:
+    m = Model(qwen3, planner)
+    check_every_split(m, "<think>\nThe user wants weather.\n</think>\n\n" + HERMES_REPLY,
+                      [("reasoning", "The user wants weather.\n"), *HERMES_CALLS], reasoning=True)
+
+
+# -- Qwen3-Coder XML ----------------------------------------------------------------------------------
+
+CODER_REPLY = ("I'll look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n"
+               "<parameter=unit>\ncelsius\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=exact>\n"
+               'true\n</parameter>\n<parameter=where>\n{"lat": 47}\n</parameter>\n</function>\n</tool_call>\n'
+               "<tool_call>\n<function=get_time>\n<parameter=zone>\n0100\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_qwen3_coder_calls_are_typed_by_the_schema() -> None:
+    weather = {**ZURICH, "exact": True, "where": {"lat": 47}}
+    check_every_split(model("qwen3moe"), CODER_REPLY, [
+        ("text", "I'll look.\n"), ("call", "get_weather", weather), ("call", "get_time", {"zone": "0100"})])
+    passes_through(model("qwen3moe"), "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n"
+                                      "</parameter>\n</function>\n</tool_call>")  # not an integer
+    passes_through(model("qwen3moe"), "<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>")
+
+
+def test_qwen3_coder_without_strict_takes_any_parameters() -> None:
+    loose = Tool("get_weather", None, {"type": "object", "properties": {"city": {"type": "string"},
+                                                                        "days": {"type": "integer"}}})
+    m = model("qwen3moe")
+    plan = m.planner.plan(ChatRequest([Message("user", "x")], tools=[loose]), "")
+    decoder = ReplyDecoder(plan, m.tokenizer.token_bytes, [], max_tokens=500)
+    reply = ("<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n<parameter=note>\nhi\n"
+             "</parameter>\n</function>\n</tool_call>")  # out of order, and a parameter never declared
+    events = drive(decoder, m.tokenizer, reply, np.random.default_rng(0)) + decoder.finish()
+    assert segments(events) == [("call", "get_weather", {"days": 3, "note": "hi"})]
+
+
+# -- Llama 3.x JSON -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("reply", "expected"), [
+    ('{"name": "get_weather", "parameters": {"city": "Zürich", "unit": "celsius", "days": 3}}',
+     [("call", "get_weather", ZURICH)]),
+    ('<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}', [("call", "get_time", {"zone": "CET"})]),
+    ('\n{"name": "get_time", "parameters": {"zone": "A"}}; {"name": "get_time", "parameters": {"zone": "B"}}\n'
+     '{"name": "get_weather", "parameters": {"city": "C", "unit": "fahrenheit"}}',
+     [("call", "get_time", {"zone": "A"}), ("call", "get_time", {"zone": "B"}),
+      ("call", "get_weather", {"city": "C", "unit": "fahrenheit"})]),
+    ('It is {probably} sunny.', [("text", "It is {probably} sunny.")]),  # a brace mid-answer is text
+])
+def test_llama_json_calls(reply: str, expected: list[tuple]) -> None:
+    check_every_split(model("llama3"), reply, expected)
+
+
+def test_llama_malformed_calls_pass_through() -> None:
+    passes_through(model("llama3"), '{"name": "get_weather", "parameters": [1]}')
+    passes_through(model("llama3"), '{"answer": 42}')  # JSON, but not a call
+    passes_through(model("llama3"), '{"name": "get_time", "parameters": {"zone": "A"')  # cut short
+
+
+# -- Mistral / Devstral ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("reply", "expected"), [
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich", "unit": "celsius", "days": 3}'
+     '[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}',
+     [("call", "get_weather", ZURICH), ("call", "get_time", {"zone": "CET"})]),
+    ('Sure.[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}', [("text", "Sure."), ("call", "get_time", {"zone": "CET"})]),
+    ('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "A"}}, {"name": "get_time", "arguments": '
+     '{"zone": "B"}}]', [("call", "get_time", {"zone": "A"}), ("call", "get_time", {"zone": "B"})]),
+])
+def test_mistral_calls(reply: str, expected: list[tuple]) -> None:
+    check_every_split(model("mistral"), reply, expected)
+
+
+def test_mistral_small_call_ids_and_malformed_calls() -> None:
+    small = model("mistral", "mistral-small-3.2.jinja")
+    assert small.planner.tool_format.call_id
+    check_every_split(small, '[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"zone": "CET"}',
+                      [("call", "get_time", {"zone": "CET"})])
+    passes_through(model("mistral"), '[TOOL_CALLS]get_weather[ARGS]{"city": "A"')  # cut short
+    passes_through(model("mistral"), '[TOOL_CALLS]rm_rf[ARGS]{}')
+
+
+# -- gpt-oss harmony ------------------------------------------------------------------------------------
+
+CALL_HEADER = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+
+
+@pytest.mark.parametrize(("reply", "expected"), [
+    ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant" + CALL_HEADER +
+     '{"city": "Zürich", "unit": "celsius", "days": 3}',  # <|call|> ended the turn
+     [("reasoning", "Need the weather."), ("call", "get_weather", ZURICH)]),
+    ("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.",
+     [("reasoning", "Easy."), ("text", "It is 4.")]),
+    (' to=functions.get_time<|channel|>commentary json<|message|>{"zone": "CET"}',  # the template's header order
+     [("call", "get_time", {"zone": "CET"})]),
+    ("<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant" + CALL_HEADER + '{"city": "A", '
+     '"unit": "celsius"}<|call|><|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json'
+     '<|message|>{"zone": "B"}',  # a preamble, then two calls (were the turn to go on after <|call|>)
+     [("text", "Checking."), ("call", "get_weather", {"city": "A", "unit": "celsius"}),
+      ("call", "get_time", {"zone": "B"})]),
+    ("A reply that never opened a channel.", [("text", "A reply that never opened a channel.")]),
+])
+def test_harmony_channels(reply: str, expected: list[tuple]) -> None:
+    check_every_split(model("gpt-oss"), reply, expected)
+
+
+def test_harmony_malformed_calls_pass_through_with_their_markers() -> None:
+    passes_through(model("gpt-oss"), CALL_HEADER + '{"city": ')
+    passes_through(model("gpt-oss"), "<|channel|>commentary to=functions.rm_rf <|constrain|>json<|message|>{}")
+
+
+def test_harmony_start_state_and_thinking_budget() -> None:
+    assert harmony.start_state("<|start|>assistant", governed=False) == "header"
+    assert harmony.start_state("<|start|>assistant<|channel|>analysis<|message|>", governed=False) == "analysis"
+    assert harmony.start_state("<|start|>assistant", governed=True) == "final"
+    m = model("gpt-oss")
+    tok = m.tokenizer
+    plan = m.plan("<|start|>assistant", reasoning=True, thinking_budget=3)
+    decoder = ReplyDecoder(plan, tok.token_bytes, [], max_tokens=100)
+    for token in tok.encode("<|channel|>analysis<|message|>a b c d", add_special=False, parse_special=True):
+        if isinstance(decoder.constraint, ForcedTokens):
+            break
+        decoder.push(token)
+    assert isinstance(decoder.constraint, ForcedTokens)
+    forced = []
+    while decoder.constraint is not None:
+        token = int(np.argmax(decoder.mask(np.zeros(tok.vocab_size, dtype=np.float32))))
+        forced.append(token)
+        decoder.push(token)
+    assert tok.decode(forced) == "<|end|><|start|>assistant" and not decoder.router.thinking
+    events = [e for t in tok.encode("<|channel|>final<|message|>Hi", add_special=False, parse_special=True)
+              for e in decoder.push(t)] + decoder.finish()
+    assert segments(events)[-1] == ("text", "Hi")
+
+
+# -- the call grammar under auto ------------------------------------------------------------------------
+
+OPENERS = {"llama3": "{", "qwen3moe": "<tool_call>\n<function=", "gemma3": '<tool_call>\n{"name": "',
+           "phi3": '<tool_call>\n{"name": "', "mistral": "[TOOL_CALLS]", "qwen2": '<tool_call>\n{"name": "',
+           "gpt-oss": "<|channel|>commentary to=functions."}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_auto_guard_starts_at_the_opener_and_holds_names(family: str) -> None:
+    m = model(family)
+    tok = m.tokenizer
+    plan = m.plan("<|start|>assistant" if family == "gpt-oss" else "")
+    assert plan.grammar is None and plan.call_grammar is not None
+    decoder = ReplyDecoder(plan, tok.token_bytes, [], max_tokens=500)
+    if family == "gpt-oss":
+        for token in tok.encode("<|channel|>analysis<|message|>hm<|end|><|start|>assistant", add_special=False,
+                                parse_special=True):
+            decoder.push(token)
+            assert not decoder.needs_logits  # reasoning is free
+    assert not decoder.needs_logits  # nothing is constrained until a call opens
+    for token in tok.encode(OPENERS[family], add_special=False, parse_special=True):
+        decoder.push(token)
+    assert isinstance(decoder.constraint, GrammarConstraint)
+    allowed = {tok.piece(i) for i in np.flatnonzero(np.isfinite(decoder.mask(np.zeros(tok.vocab_size, np.float32))))}
+    if family == "llama3":
+        assert allowed and all('"name": "get_'.startswith(p) for p in allowed), allowed
+    else:  # a name must begin: only "g" (get_weather, get_time); Mistral's older list form may open too
+        assert "g" in allowed and all(p.startswith("g") or p.strip() in ("", "[") for p in allowed), allowed
+
+
+# -- forced calls: exactly one, arguments valid, in every family --------------------------------------
+
+
+def sample_reply(m: Model, plan: ReplyPlan, seed: int, steps: int = 4000) -> list[tuple]:
+    """Random logits through the decoder's mask, as the scheduler drives it: an end-of-turn token
+    ends the reply without being pushed."""
+    tok = m.tokenizer
+    decoder = ReplyDecoder(plan, tok.token_bytes, [], max_tokens=steps)
+    rng = np.random.default_rng(seed)
+    events: list[Event] = []
+    for _ in range(steps):
+        token = int(np.argmax(decoder.mask(rng.standard_normal(tok.vocab_size).astype(np.float32))))
+        if token in tok.eog_ids:
+            break
+        events += decoder.push(token)
+        if decoder.done:
+            break
+    else:
+        pytest.fail("the forced call never ended")
+    return segments(events + decoder.finish())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("choice", [ToolChoice("required"), ToolChoice("named", "get_time")])
+def test_forced_call_is_exactly_one_valid_call(family: str, choice: ToolChoice) -> None:
+    m = model(family)
+    plan = m.plan("<|start|>assistant" if family == "gpt-oss" else "", tool_choice=choice)
+    assert plan.grammar is not None
+    schemas = {t.name: t.parameters for t in TOOLS}
+    for seed in range(3):
+        routed = sample_reply(m, plan, seed)
+        calls = [s for s in routed if s[0] == "call"]
+        assert len(calls) == 1, routed
+        _, name, arguments = calls[0]
+        assert choice.mode == "required" or name == choice.name
+        jsonschema.validate(arguments, schemas[name])
+        assert not [s for s in routed if s[0] == "text"], routed
+        assert family == "gpt-oss" or not [s for s in routed if s[0] == "reasoning"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forced_call_through_the_scheduler(family: str) -> None:
+    """The real runtime on the NumPy engine: the family's prompt, sampled tokens, end-of-turn tokens
+    as the scheduler sees them (gpt-oss's <|end|> closes the analysis and the turn goes on to the
+    call; <|call|> ends it), so each reply is one call and finishes with "tool_calls"."""
+    model_ = load_model(ARCH / family / f"tiny-{family}-F16.gguf")
+    runtime = Runtime(model_, load_engine("cpu", model_.gguf, model_.config),
+                      ServerOptions(ctx=8192, kv_slots=3, max_batch=3))  # Devstral's system prompt is long
+    requests = [ChatRequest([Message("user", "hi")], SamplingParams(temperature=1.0, seed=seed), 1500, tools=TOOLS,
+                            tool_choice=ToolChoice("required")) for seed in range(3)]
+
+    async def generate(request: ChatRequest) -> list[Event]:
+        return [event async for event in runtime.start_chat(request).events()]
+
+    async def batch() -> list[list[Event]]:
+        return await asyncio.gather(*(generate(r) for r in requests))
+
+    runtime.start()
+    try:
+        replies = asyncio.run(batch())
+    finally:
+        runtime.stop()
+    schemas = {t.name: t.parameters for t in TOOLS}
+    for events in replies:
+        (call,) = [e for e in events if isinstance(e, ToolCallEvent)]
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+        assert isinstance(events[-1], Finished) and events[-1].reason == "tool_calls"
+        assert not "".join(e.text for e in events if isinstance(e, TextDelta))
+    if family == "gpt-oss":  # at least one reply reasoned first, and still called
+        assert any(isinstance(e, ReasoningDelta) for events in replies for e in events)
