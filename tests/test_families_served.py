@@ -116,3 +116,30 @@ def test_both_engines_continue_a_prompt_alike(family: str) -> None:
             ids.append(token)
         continuations.append(ids)
     assert continuations[0] == continuations[1]
+
+
+def test_both_engines_apply_phi_longrope_alike() -> None:
+    """Phi-3.5 / Phi-4-mini files carry LongRoPE factors as tensors; the fixture has none, so a
+    stand-in (the first values of a norm weight) is attached and both engines must agree on it."""
+    import dataclasses
+
+    from lmserve.engine_cpu import CPUEngine
+    from lmserve.engine_mlx import MLXEngine
+    from lmserve.model.config import ModelConfig
+    from lmserve.model.gguf_file import GGUFFile
+    from tests.families import cosine
+
+    gguf = GGUFFile(Fixture("phi3", "F16").path)
+    norm = gguf.tensors["blk.0.attn_norm.weight"]
+    for i, name in enumerate(("rope_factors_long.weight", "rope_factors_short.weight")):
+        gguf.tensors[name] = dataclasses.replace(norm, name=name, shape=(32,), offset=norm.offset + 128 * i,
+                                                 nbytes=128)
+    gguf.metadata["phi3.rope.scaling.original_context_length"] = 64
+    config = ModelConfig.from_gguf(gguf)
+    prompt = references("phi3")["token_ids"][:48]
+    plain = CPUEngine(GGUFFile(Fixture("phi3", "F16").path), config)
+    logits = [e.prefill(e.new_cache(64), prompt, all_logits=True) for e in (CPUEngine(gguf, config),
+                                                                             MLXEngine(gguf, config))]
+    assert (logits[0].argmax(-1) == logits[1].argmax(-1)).mean() >= 0.98
+    assert cosine(logits[0][-1], logits[1][-1]) > 0.9999
+    assert cosine(logits[0][-1], plain.prefill(plain.new_cache(64), prompt)) < 0.9999  # the factors count

@@ -355,7 +355,7 @@ def _experts(loader: _Loader, c: ModelConfig, i: int) -> ExpertWeights:
 
 def _rope(gguf: GGUFFile, config: ModelConfig, theta: float, linear_factor: float) -> Rope:
     """RoPE inverse frequencies for base `theta`; Llama 3.x files carry per-frequency divisors in
-    `rope_freqs`, gpt-oss blends them by YaRN."""
+    `rope_freqs`, Phi-3.5 / Phi-4-mini in `rope_factors_long` (LongRoPE), gpt-oss blends them by YaRN."""
     dims = config.rotary_dims
     inv_freq = theta ** -(np.arange(0, dims, 2, dtype=np.float64) / dims)
     if config.has_rope_freqs:
@@ -364,7 +364,23 @@ def _rope(gguf: GGUFFile, config: ModelConfig, theta: float, linear_factor: floa
         inv_freq = inv_freq / linear_factor
     if config.rope_yarn is not None:
         return _yarn(inv_freq, dims, theta, config.rope_yarn)
+    if LONGROPE_FACTORS in gguf.tensors:
+        return _longrope(gguf, config, inv_freq)
     return Rope(inv_freq)
+
+
+LONGROPE_FACTORS = "rope_factors_long.weight"
+
+
+def _longrope(gguf: GGUFFile, config: ModelConfig, inv_freq: np.ndarray) -> Rope:
+    """LongRoPE as mlx-lm's SuScaledRoPE applies it (the MLX engine's, so both engines agree):
+    the long factors divide every frequency at any length, and cos/sin are scaled by
+    sqrt(1 + ln(ctx / original) / ln(original)) when the trained context exceeds the original."""
+    original = int(gguf.metadata.get(f"{config.architecture}.rope.scaling.original_context_length",
+                                      config.context_length))
+    factor = config.context_length / original
+    scale = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return Rope(inv_freq / gguf.dequantize(LONGROPE_FACTORS).astype(np.float64), scale)
 
 
 def _yarn(inv_freq: np.ndarray, dims: int, theta: float, yarn: YarnScaling) -> Rope:
