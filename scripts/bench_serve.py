@@ -41,14 +41,21 @@ def stream_one(base_url: str, prompt: str, tokens: int, logit_bias: dict[str, in
     body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": tokens,
             "stream": True, **({"logit_bias": logit_bias} if logit_bias else {})}
     start = time.perf_counter()
-    arrivals = []
+    arrivals: list[float] = []
+    record_arrivals(base_url, body, arrivals)
+    return {"start": start, "arrivals": arrivals}
+
+
+def record_arrivals(base_url: str, body: dict, arrivals: list[float], stop: threading.Event | None = None) -> None:
+    """Stream a chat request, appending the arrival time of each content chunk; leave once `stop` is set."""
     with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=600) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
                 if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                     arrivals.append(time.perf_counter())
-    return {"start": start, "arrivals": arrivals}
+            if stop is not None and stop.is_set():
+                return
 
 
 def run_clients(base_url: str, clients: int, tokens: int) -> list[dict]:
@@ -99,14 +106,7 @@ def stream_until(base_url: str, prompt: str, tokens: int, stop: threading.Event,
     """A greedy stream that cannot end early (end of turn banned); the client leaves once `stop` is set."""
     body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": tokens,
             "logit_bias": NO_EOS, "stream": True}
-    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=600) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                    arrivals.append(time.perf_counter())
-            if stop.is_set():
-                return
+    record_arrivals(base_url, body, arrivals, stop)
 
 
 def measure_long_prompt(chunk: int | None, batch: int, prompt_tokens: int, ctx: int, model: str | None) -> dict:
