@@ -7,7 +7,7 @@ import hashlib
 
 from lmserve.chat import hermes
 from lmserve.core.errors import RequestError
-from lmserve.core.types import ChatRequest, Message
+from lmserve.core.types import ChatRequest, Message, Tool
 from lmserve.model.chat_template import ChatTemplate, TemplateError
 from lmserve.model.tokenizer import Tokenizer
 
@@ -44,10 +44,18 @@ class PromptBuilder:
             kwargs.setdefault("reasoning_effort", effort)
         try:
             return template.render([m.to_template() for m in messages], add_generation_prompt=True,
-                                   tools=[t.to_template() for t in tools] or None, **kwargs)
+                                   tools=[self._tool(t) for t in tools] or None, **kwargs)
         except TemplateError as exc:
             raise RequestError(f"messages: the chat template rejected the conversation: {exc}",
                                400, "messages") from None
+
+    def _tool(self, tool: Tool) -> dict:
+        """A tool as the template takes it; a missing description is given as empty text to a
+        template that cannot render a tool without one (gpt-oss), rather than refusing the request."""
+        shaped = tool.to_template()
+        if self.template.tools_need_description:
+            shaped["function"].setdefault("description", "")
+        return shaped
 
     def encode(self, prompt: str) -> list[int]:
         # The rendered text already carries any BOS the template wants, so no special tokens

@@ -93,7 +93,7 @@ class MLXEngine(Engine[MLXKVCache]):
             adjust_weights(config, arrays)
             self.model.load_weights(list(arrays.items()), strict=True)
             del arrays
-            mx.eval(self.model.parameters())
+            mx.eval(self.model.parameters(), _module_constants(self.model))
         self.quant_summary = summarize(choices)
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         self._speculation: _Speculation | None = None
@@ -281,3 +281,11 @@ class MLXEngine(Engine[MLXKVCache]):
             exact.keys, exact.values = layer.keys[..., :n, :], layer.values[..., :n, :]
             exact.offset = n
         return exact
+
+
+def _module_constants(model: nn.Module) -> list[mx.array]:
+    """Arrays modules keep outside their parameters (RoPE periods, YaRN's scales): evaluated at
+    load, in the loading thread, since a lazy graph built here cannot be evaluated in the worker
+    thread that serves (its thread-local stream does not exist there)."""
+    return [value for _, module in model.named_modules() for value in (*module.values(), *vars(module).values())
+            if isinstance(value, mx.array)]

@@ -167,8 +167,13 @@ class ChatTemplate:
         self.parallel_calls = True  # False: one call per assistant turn (Llama 3.1 raises, gpt-oss drops the rest)
         self.calls_take_text_and_thinking = True  # False: gpt-oss refuses both on a call turn
         self.user_after_results = True  # False: Mistral wants the assistant's answer after tool results
+        self.tools_need_description = False  # True: gpt-oss's template fails on a tool without one
         if self.supports_tools:
             self._probe_calls()
+            bare = [{"type": "function", "function": {"name": "probe", "parameters": {"type": "object"}}}]
+            described = [{"type": "function", "function": {**bare[0]["function"], "description": ""}}]
+            probe = [{"role": "user", "content": "x"}]
+            self.tools_need_description = self._renders(probe, bare) is None and self._renders(probe, described) is not None
 
     def _renders(self, messages: list[dict], tools: list[dict] | None = None) -> str | None:
         """The prompt for a probe conversation, or None when the template refuses it."""
