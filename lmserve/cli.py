@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
                    help=f"prompt tokens prefilled between two decode steps of the running streams "
                         f"(default {PREFILL_CHUNK}; 0: whole prompts at once)")
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="reply budget of a request that sets none (default: the rest of the context)")
     p.add_argument("--sse-keepalive", type=float, default=5.0, metavar="SECONDS",
                    help="a stream silent this long (queued, long prefill) gets a ping or SSE comment (default 5)")
     p.add_argument("--kv-slots", type=int, default=4,
@@ -204,8 +206,9 @@ def serve(args: argparse.Namespace) -> None:
     model = load_model(path)
     if args.ctx is not None and args.ctx < 16:
         raise SystemExit(f"lmserve: --ctx {args.ctx} is too small (at least 16)")
-    if args.prefill_chunk < 0 or args.sse_keepalive <= 0:
-        raise SystemExit("lmserve: --prefill-chunk must be 0 or more and --sse-keepalive more than 0")
+    if args.prefill_chunk < 0 or args.sse_keepalive <= 0 or (args.max_tokens is not None and args.max_tokens < 1):
+        raise SystemExit("lmserve: --prefill-chunk must be 0 or more, --sse-keepalive more than 0, "
+                         "--max-tokens at least 1")
     engine = load_engine(args.engine, model.gguf, model.config, LoadProgress("loading weights"))
     context = ContextChoice(args.ctx, "--ctx") if args.ctx else default_context(
         model.config.context_length, model.config.kv_bytes_per_token(engine.kv_dtype_bytes))
@@ -214,7 +217,7 @@ def serve(args: argparse.Namespace) -> None:
                             max_batch=args.batch, api_key=args.api_key, kv_slots=args.kv_slots,
                             kv_slots_force=args.kv_slots_force, kv_cache_dir=args.kv_cache_dir,
                             kv_disk_slots=args.kv_disk_slots, prefill_chunk=args.prefill_chunk,
-                            keepalive=args.sse_keepalive)
+                            keepalive=args.sse_keepalive, max_tokens=args.max_tokens)
     try:
         runtime = Runtime(model, engine, options)
     except OSError as exc:

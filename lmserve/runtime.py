@@ -29,8 +29,6 @@ from lmserve.serving.kv_slots import SlotPool
 from lmserve.serving.ram_guard import plan_slots
 from lmserve.serving.scheduler import PREFILL_CHUNK, QueueFull, Scheduler, ShuttingDown
 
-DEFAULT_MAX_TOKENS = 4096
-
 
 @dataclass
 class ServerOptions:
@@ -45,6 +43,7 @@ class ServerOptions:
     kv_cache_dir: Path | None = None
     kv_disk_slots: int = 8
     prefill_chunk: int = PREFILL_CHUNK
+    max_tokens: int | None = None  # reply budget of a request that sets none (None: the rest of the context)
     keepalive: float = 5.0  # seconds of silence after which a stream writes a keep-alive frame
     started_at: float = field(default_factory=time.time)
 
@@ -134,7 +133,9 @@ class Runtime:
                 "shorten the conversation or start the server with a larger --ctx",
                 400, "messages", "context_length_exceeded")
         budget = self.ctx - n
-        max_tokens = min(max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS, budget)
+        if max_tokens is None:  # no budget asked: to the end of the context, or the server's --max-tokens
+            max_tokens = self.options.max_tokens or budget
+        max_tokens = min(max_tokens, budget)
         sampling = sampling.with_defaults(self.sampling_defaults.values())
         job = GenerationJob(prompt_ids, sampling, max_tokens, EventChannel(asyncio.get_running_loop()),
                             stop, session_id, reply=plan or ReplyPlan())

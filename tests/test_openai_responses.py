@@ -276,3 +276,22 @@ def test_failure_mid_stream_is_a_spec_valid_response_failed():
     assert parsed[-1]["type"] == "response.failed" and failed["status"] == "failed"
     assert failed["error"] == {"code": "server_error", "message": "the worker crashed"}
     assert failed["output"][0]["content"][0]["text"] == "Hel" and len(store) == 0
+
+
+def test_no_budget_means_the_rest_of_the_context_or_the_servers_max_tokens():
+    """Codex sends no max_output_tokens: the reply is not cut at a hidden cap (it used to be 4096),
+    it may run to the end of the context, unless the server sets --max-tokens."""
+    body = {"input": "Write a very long story about a dragon.", "temperature": 0}
+    with start_server("--engine", "cpu", "--ctx", "160") as small:
+        r = httpx.post(small.base_url + "/v1/responses", json=body, timeout=300).json()
+        usage = r["usage"]
+        assert r["status"] == "incomplete" or usage["output_tokens"] < 160 - usage["input_tokens"]
+        if r["status"] == "incomplete":  # cut by the context, not by a cap
+            assert usage["input_tokens"] + usage["output_tokens"] == 160
+    with start_server("--engine", "cpu", "--max-tokens", "5") as capped:
+        r = httpx.post(capped.base_url + "/v1/responses", json=body, timeout=300).json()
+        assert r["status"] == "incomplete" and r["usage"]["output_tokens"] == 5
+        r = httpx.post(capped.base_url + "/v1/responses", json={**body, "max_output_tokens": 8}, timeout=300).json()
+        assert r["usage"]["output_tokens"] == 8
+        assert httpx.head(capped.base_url + "/").status_code == 200
+        assert httpx.head(capped.base_url + "/v1").status_code == 200

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from litestar import Litestar, MediaType, Request, Response, get, post
+from litestar import Litestar, MediaType, Request, Response, get, head, post
 from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
 from litestar.static_files import create_static_files_router
@@ -165,6 +165,10 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
     async def metrics_page() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @head(["/", "/v1"], include_in_schema=False)
+    async def probe() -> None:
+        """Claude Code opens with `HEAD /` to see whether the server is up."""
+
     @get("/", include_in_schema=False)
     async def chat_page() -> Response:
         return Response((STATIC / "index.html").read_bytes(), media_type=MediaType.HTML)
@@ -201,6 +205,7 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
             detokenize,
             metrics_page,
             chat_page,
+            probe,
             create_static_files_router(path="/static", directories=[STATIC], include_in_schema=False),
         ],
         exception_handlers={RequestError: _request_error, HTTPException: _http_error, Exception: _crash},
