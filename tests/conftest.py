@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 # Servers started by the tests share two cores with pytest itself and with each other; a
 # two-thread BLAS collapses under that contention (measured: decode 36 -> 1-4 tok/s), one thread
 # does not. Set before NumPy loads; production keeps the BLAS default, and so do scripts/ benches.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# A developer's own ~/.config/lmserve/config.toml must not reach the servers the suite starts.
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="lmserve-test-config-")
 
 from pathlib import Path  # noqa: E402
 

@@ -1,28 +1,31 @@
 """lmserve with test hooks that production code has no place for, started by tests/server_util.py:
 
-    python -m tests.hooked_server [--fault-marker MARKER] [--available-memory BYTES] -- LMSERVE ARGS
+    python -m tests.hooked_server [--fault-marker MARKER] [--available-memory BYTES]
+                                  [--script FILE] [--record FILE] -- LMSERVE ARGS
 
-Both hooks are installed here, around the real code, before `lmserve.cli.main(LMSERVE ARGS)` runs:
+The hooks are installed here, around the real code, before `lmserve.cli.main(LMSERVE ARGS)` runs:
 
 - `--fault-marker`: the engine is wrapped in `FaultyEngine`. A request whose prompt contains MARKER
   fails in the worker at its third generated token, after its reply has started streaming, and
   alone: the sequences decoded in the same step go on.
 - `--available-memory`: psutil reports that many bytes available, so the RAM guard's arithmetic
   (and whether it clamps) is the same on every machine.
+- `--script`: the engine is wrapped in `ScriptedEngine`, which makes the model say what the JSON
+  `Script` in FILE says (tests/engine_proxies.py).
+- `--record`: every request's method, path, headers and JSON body is appended to FILE as one JSON
+  line, so a test can assert on what a real client sent.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
-
-from lmserve.engine.protocol import C, Engine
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -31,108 +34,50 @@ class Hooks:
 
     fault_marker: str | None = None
     available_memory: int | None = None  # bytes
+    script: Path | None = None
+    record: Path | None = None
 
     def argv(self) -> list[str]:
         out = []
-        if self.fault_marker is not None:
-            out += ["--fault-marker", self.fault_marker]
-        if self.available_memory is not None:
-            out += ["--available-memory", str(self.available_memory)]
+        for flag, value in (("--fault-marker", self.fault_marker), ("--available-memory", self.available_memory),
+                            ("--script", self.script), ("--record", self.record)):
+            if value is not None:
+                out += [flag, str(value)]
         return out
 
 
-class InjectedFault(RuntimeError):
-    """The failure `FaultyEngine` plants in a marked request's row."""
+class RequestRecorder:
+    """ASGI middleware: one JSON line per HTTP request (method, path, headers, body) in `path`."""
 
+    def __init__(self, app: Callable, path: Path) -> None:
+        self.app, self.path, self._lock = app, path, threading.Lock()
 
-class _FaultRow:
-    """Stands in for one sequence's row of a decode step (logits or an id): its first use raises,
-    so the scheduler fails that sequence alone, as it would one whose sampling failed."""
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
 
-    def __init__(self, exc: Exception) -> None:
-        self._exc = exc
+        async def recording_receive() -> dict[str, Any]:
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    self._write(scope, b"".join(chunks))
+            return message
 
-    def _raise(self, *args, **kwargs):
-        raise self._exc
+        await self.app(scope, recording_receive, send)
 
-    __array__ = __int__ = __index__ = __float__ = __getitem__ = __len__ = __iter__ = _raise
-
-    def __getattr__(self, name: str):
-        raise self._exc
-
-
-@dataclass
-class _Held:
-    """What the proxy saw fed into one cache (None: positions restored from a file)."""
-
-    tokens: list[int | None] = field(default_factory=list)
-    prompt: int = 0  # positions held when it was last prefilled: the prompt of the reply under way
-    decodes: int = 0  # decode steps since then
-
-
-class FaultyEngine(Engine[C]):
-    """The real engine, except that a marked request's third generated token fails.
-
-    The scheduler samples token 1 from the prefill's logits and token n from the (n-1)th decode
-    step's, so the row of a marked prompt's second decode step is replaced by a `_FaultRow`."""
-
-    def __init__(self, engine: Engine[C], decode_text: Callable[[list[int]], str], marker: str) -> None:
-        self.engine, self.decode_text, self.marker = engine, decode_text, marker
-        self.config, self.name, self.device = engine.config, engine.name, engine.device
-        self.weight_bytes, self.kv_dtype_bytes = engine.weight_bytes, engine.kv_dtype_bytes
-        self.quant_summary, self.device_argmax = engine.quant_summary, engine.device_argmax
-        self._held: weakref.WeakKeyDictionary[C, _Held] = weakref.WeakKeyDictionary()
-
-    def _of(self, cache: C) -> _Held:
-        return self._held.setdefault(cache, _Held())
-
-    def new_cache(self, max_tokens: int) -> C:
-        return self.engine.new_cache(max_tokens)
-
-    def prefill(self, cache: C, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        logits = self.engine.prefill(cache, token_ids, all_logits)
-        held = self._of(cache)
-        held.tokens += [int(t) for t in token_ids]
-        held.prompt, held.decodes = len(held.tokens), 0
-        return logits
-
-    def decode(self, caches: Sequence[C], token_ids: Sequence[int]) -> np.ndarray:
-        return self._plant(caches, token_ids, self.engine.decode(caches, token_ids))
-
-    def decode_argmax(self, caches: Sequence[C], token_ids: Sequence[int]) -> np.ndarray:
-        return self._plant(caches, token_ids, self.engine.decode_argmax(caches, token_ids))
-
-    def _plant(self, caches: Sequence[C], token_ids: Sequence[int], rows: np.ndarray) -> np.ndarray:
-        faulty = []
-        for i, (cache, token) in enumerate(zip(caches, token_ids, strict=True)):
-            held = self._of(cache)
-            held.tokens.append(int(token))
-            held.decodes += 1
-            prompt = [t for t in held.tokens[:held.prompt] if t is not None]
-            if held.decodes == 2 and self.marker in self.decode_text(prompt):
-                faulty.append(i)
-        if not faulty:
-            return rows
-        out = np.empty(len(rows), dtype=object)
-        for i, row in enumerate(rows):
-            out[i] = _FaultRow(InjectedFault("injected test fault")) if i in faulty else row
-        return out
-
-    def truncate(self, cache: C, n: int) -> None:
-        self.engine.truncate(cache, n)
-        del self._of(cache).tokens[n:]
-
-    def copy_prefix(self, src: C, dst: C, n: int) -> None:
-        self.engine.copy_prefix(src, dst, n)
-        self._held[dst] = _Held(self._of(src).tokens[:n])
-
-    def save_cache(self, cache: C, path: Path) -> None:
-        self.engine.save_cache(cache, path)
-
-    def load_cache(self, path: Path, max_tokens: int) -> C:
-        cache = self.engine.load_cache(path, max_tokens)
-        self._held[cache] = _Held([None] * cache.length)
-        return cache
+    def _write(self, scope: dict[str, Any], body: bytes) -> None:
+        try:
+            parsed: Any = json.loads(body) if body else None
+        except ValueError:
+            parsed = body.decode("utf-8", "replace")
+        line = json.dumps({"method": scope["method"], "path": scope["path"],
+                           "headers": {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]},
+                           "body": parsed})
+        with self._lock, self.path.open("a") as f:
+            f.write(line + "\n")
 
 
 def install(hooks: Hooks) -> None:
@@ -142,16 +87,31 @@ def install(hooks: Hooks) -> None:
 
         real, available = psutil.virtual_memory, hooks.available_memory
         psutil.virtual_memory = lambda: real()._replace(available=available)
-    if hooks.fault_marker is not None:
+    if hooks.fault_marker is not None or hooks.script is not None:
         from lmserve.engine import select
         from lmserve.model.tokenizer import Tokenizer
+        from tests.engine_proxies import FaultyEngine, Script, ScriptedEngine
 
-        real_load, marker = select.load_engine, hooks.fault_marker
+        real_load = select.load_engine
 
         def load_engine(kind, gguf, config, progress=None):
-            return FaultyEngine(real_load(kind, gguf, config, progress), Tokenizer.from_gguf(gguf).decode, marker)
+            engine, tokenizer = real_load(kind, gguf, config, progress), Tokenizer.from_gguf(gguf)
+            if hooks.script is not None:
+                engine = ScriptedEngine(engine, tokenizer, Script.load(hooks.script))
+            if hooks.fault_marker is not None:
+                engine = FaultyEngine(engine, tokenizer.decode, hooks.fault_marker)
+            return engine
 
         select.load_engine = load_engine  # lmserve.cli.serve imports it when it runs
+    if hooks.record is not None:
+        from lmserve.http import app
+
+        real_app, record = app.server_app, hooks.record
+
+        def server_app(*args, **kwargs):
+            return RequestRecorder(real_app(*args, **kwargs), record)
+
+        app.server_app = server_app
 
 
 def main(argv: list[str]) -> None:
@@ -159,8 +119,10 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.hooked_server")
     parser.add_argument("--fault-marker", default=None)
     parser.add_argument("--available-memory", type=int, default=None)
+    parser.add_argument("--script", type=Path, default=None)
+    parser.add_argument("--record", type=Path, default=None)
     args = parser.parse_args(ours)
-    install(Hooks(args.fault_marker, args.available_memory))
+    install(Hooks(args.fault_marker, args.available_memory, args.script, args.record))
     from lmserve.cli import main as lmserve_main
 
     lmserve_main(rest)

@@ -91,6 +91,18 @@ def test_continuation_rewind_and_copy_choices(smollm2):
     assert pool.slots[0].tokens == [] and pool.slots[0].cache.length == 0
 
 
+def test_without_reuse_every_prompt_is_prefilled_whole(smollm2):
+    """--no-kv-reuse: even the same session continuing its own slot starts from an empty cache."""
+    _, engine = smollm2
+    pool = SlotPool(engine, 2, CTX, reuse=False)
+    first = list(range(100, 140))
+    adoption = pool.acquire(first, "s1")
+    engine.prefill(adoption.slot.cache, first)
+    pool.release(adoption.slot, first)
+    adoption = pool.acquire(first + [200, 201], "s1")
+    assert (adoption.how, adoption.reused, adoption.slot.cache.length) == ("reset", 0, 0)
+
+
 def test_corrupt_and_truncated_files_are_skipped(smollm2, tmp_path, caplog):
     model, engine = smollm2
     tier = disk_tier(model, engine, tmp_path)

@@ -8,7 +8,7 @@ next to each family's human name and its recommended sampling settings.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 SILU = "silu"  # SwiGLU: silu(gate) * up
@@ -35,6 +35,11 @@ class Sampling:
         return {name: value for name, value in (
             ("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
             ("min_p", self.min_p), ("repeat_penalty", self.repeat_penalty)) if value is not None}
+
+    def with_temperature(self, temperature: float) -> Sampling:
+        """The server's `--temp` in place of the recommended temperature (other fields kept)."""
+        source = f"{self.source}; temperature from --temp" if self.source else "--temp"
+        return replace(self, temperature=temperature, source=source)
 
     def describe(self) -> str:
         parts = [f"{name} {value:g}" for name, value in self.values().items()]

@@ -59,10 +59,12 @@ class Adoption:
 class SlotPool:
     """A fixed number of KV slots, each allocated lazily by the engine as it fills."""
 
-    def __init__(self, engine: Engine, n_slots: int, ctx: int, disk: DiskTier | None = None) -> None:
+    def __init__(self, engine: Engine, n_slots: int, ctx: int, disk: DiskTier | None = None,
+                 reuse: bool = True) -> None:
         self.engine = engine
         self.ctx = ctx
         self.disk = disk
+        self.reuse = reuse  # False (--no-kv-reuse): every prompt is prefilled whole, to measure what reuse saves
         self._clock = itertools.count(1)
         self.slots = [Slot(i, engine.new_cache(ctx)) for i in range(max(1, n_slots))]
 
@@ -75,6 +77,10 @@ class SlotPool:
         if not idle:
             return None
         limit = len(prompt) - 1
+        if not self.reuse:
+            target = self._victim(idle)
+            self._evict(target)
+            return self._adopt(target, 0, session_id, "reset")
 
         def score(s: Slot) -> tuple[int, bool, int]:
             """Longest shared prefix first; the same session, then recency, break ties."""
