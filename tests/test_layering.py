@@ -8,7 +8,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lmserve"
 # Top to bottom: each layer may import only from the layers after it.
-LAYERS = ["cli", "http", "runtime", "serving", "chat", "engine_cpu|engine_mlx|engine", "core", "model"]
+LAYERS = ["cli|config_file", "http", "runtime", "serving", "chat", "engine_cpu|engine_mlx|engine", "core", "model"]
 # What HTTP may use of the layers beneath the runtime: the handle and the events it carries.
 HTTP_MAY_USE = {"lmserve.serving.handle"}
 

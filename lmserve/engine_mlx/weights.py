@@ -121,24 +121,25 @@ class TensorReader:
     loader reading a whole model through one holds the file on top of what it builds from it."""
 
     def __init__(self, gguf: GGUFFile) -> None:
-        self.path = gguf.path
-        self._fd = os.open(gguf.path, os.O_RDONLY)
+        self._fds = {path: os.open(path, os.O_RDONLY) for path in {t.file for t in gguf.tensors.values()}}
 
     def __enter__(self) -> TensorReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        os.close(self._fd)
+        for fd in self._fds.values():
+            os.close(fd)
 
     def rows(self, info: TensorInfo, start: int, stop: int) -> np.ndarray:
-        """Stored rows `start:stop` (over all but the last dimension) as bytes `[rows, row_bytes]`."""
+        """Stored rows `start:stop` (over all but the last dimension) as bytes `[rows, row_bytes]`,
+        from the file that holds the tensor (one part of a split model)."""
         row_bytes = info.nbytes // _n_rows(info)
         out = np.empty((stop - start, row_bytes), np.uint8)
         view, done, at = memoryview(out).cast("B"), 0, info.offset + start * row_bytes
         while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], at + done)
+            n = os.preadv(self._fds[info.file], [view[done:]], at + done)
             if n <= 0:
-                raise OSError(f"{self.path}: the file ends inside tensor {info.name}")
+                raise OSError(f"{info.file}: the file ends inside tensor {info.name}")
             done += n
         return out
 

@@ -219,8 +219,10 @@ class ChatTemplate:
             return False
 
     @classmethod
-    def from_gguf(cls, gguf: GGUFFile, tokenizer: Tokenizer) -> ChatTemplate:
-        """The file's template (ChatML when it has none), with its bos/eos/unk/pad token strings."""
+    def from_gguf(cls, gguf: GGUFFile, tokenizer: Tokenizer, source: str | None = None) -> ChatTemplate:
+        """The file's template (ChatML when it has none), or `source` in its place (and in place of
+        its tool-use variant), with the file's bos/eos/unk/pad token strings. A `source` that does
+        not compile raises TemplateError (its caller knows where it came from)."""
         md = gguf.metadata
         special = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
         for name, key in (("unk_token", "unknown"), ("pad_token", "padding")):
@@ -228,10 +230,12 @@ class ChatTemplate:
             if token_id is not None and 0 <= token_id < tokenizer.vocab_size:
                 special[name] = tokenizer.piece(token_id)
         try:
-            return cls(md.get("tokenizer.chat_template") or CHATML_TEMPLATE,
+            return cls(source or md.get("tokenizer.chat_template") or CHATML_TEMPLATE,
                        {k: v for k, v in special.items() if v is not None},
-                       md.get("tokenizer.chat_template.tool_use"))
+                       None if source else md.get("tokenizer.chat_template.tool_use"))
         except TemplateError as exc:
+            if source:
+                raise
             raise ModelLoadError(f"{gguf.path.name}: {exc}") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,

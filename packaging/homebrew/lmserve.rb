@@ -308,6 +308,18 @@ class Lmserve < Formula
     end
   end
 
+  def caveats
+    <<~EOS
+      `brew services start lmserve` serves what ~/.config/lmserve/config.toml says, for example:
+        model = "qwen3-coder:30b"    # a path, or a name from Ollama, LM Studio, the Hugging Face cache or llama.cpp
+        ctx = 32768
+      (keys are lmserve-mac's long flags without dashes; without the file, the embedded SmolLM2).
+      `lmserve-mac --list` shows the models on this Mac, `lmserve-mac --print-config` the settings in force.
+    EOS
+  end
+
+  # No arguments: the flags come from the user's ~/.config/lmserve/config.toml (see caveats), and the
+  # model it names is found in the user's own model stores, so run it as the user (no sudo).
   service do
     run [opt_bin/"lmserve-mac"]
     keep_alive true
