@@ -1,0 +1,250 @@
+"""`--distributed`: two ranks started by `mlx.launch --backend ring` on loopback (MLX's CPU
+backend here) serve the same greedy replies over HTTP as one `--engine mlx` process, reuse cached
+prefixes, and a rank killed mid-stream ends the group with one clear line within a bound. The
+lockstep protocol itself (every engine call, caches by handle) is checked against one engine in
+`test_lockstep_calls_match_one_engine`, with both ranks in this test's subprocesses."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from tests.server_util import REPO, free_port, start_server  # noqa: E402
+
+LAUNCH = Path(sys.executable).parent / "mlx.launch"
+if not mx.distributed.is_available() or not LAUNCH.exists():
+    pytest.skip("MLX has no distributed backend or no mlx.launch here", allow_module_level=True)
+
+FIXTURES = REPO / "tests" / "data" / "fixtures" / "arch"
+LLAMA = FIXTURES / "llama3" / "tiny-llama3-F16.gguf"
+QWEN3MOE = FIXTURES / "qwen3moe" / "tiny-qwen3moe-F16.gguf"
+GPT_OSS = FIXTURES / "gpt-oss" / "tiny-gpt-oss-F16.gguf"
+QWEN2 = FIXTURES / "qwen2" / "tiny-qwen2-F16.gguf"
+GONE = "of the distributed group stops: a rank is gone"
+
+
+@dataclass
+class Group:
+    base_url: str
+    process: subprocess.Popen
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def rank_pid(self, rank: int) -> int:
+        """The pid of rank `rank`'s lmserve process (mlx.launch starts it under a shell)."""
+        for child in psutil.Process(self.process.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "lmserve.cli" in " ".join(child.cmdline()) and child.environ().get("MLX_RANK") == str(rank):
+                    return child.pid
+        raise AssertionError(f"no rank {rank} process")
+
+
+@contextlib.contextmanager
+def launch(model: Path, *args: str, ranks: int = 2, timeout: float = 120.0) -> Iterator[Group]:
+    """`mlx.launch -n RANKS --backend ring -- python -m lmserve.cli MODEL --distributed ARGS`, yielded
+    once rank 0's /health answers. Every rank gets the same flags: only rank 0 listens."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="lmserve-dist-", suffix=".log", delete=False)  # noqa: SIM115
+    env = {**os.environ, "XDG_CACHE_HOME": tempfile.mkdtemp(prefix="lmserve-dist-cache-")}
+    proc = subprocess.Popen(
+        [str(LAUNCH), "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port()), "--",
+         sys.executable, "-m", "lmserve.cli", str(model), "--distributed", "--engine", "mlx",
+         "--port", str(port), *args],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    group = Group(f"http://127.0.0.1:{port}", proc, log.name)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"mlx.launch exited with {proc.returncode}:\n{group.log()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(group.base_url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank 0 did not become healthy:\n{group.log()}")
+            time.sleep(0.1)
+        yield group
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(AssertionError, psutil.Error):  # rank 0 stops its followers
+                os.kill(group.rank_pid(0), signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        os.unlink(log.name)
+
+
+def chat(base_url: str, messages: list[dict]) -> dict:
+    body = {"messages": messages, "temperature": 0, "max_tokens": 16}
+    return httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60).json()
+
+
+def conversation(base_url: str) -> list[dict]:
+    """Two prompts, then a follow-up turn to the first: the replies with their usage."""
+    first = [{"role": "user", "content": "Name three colours."}]
+    replies = [chat(base_url, first), chat(base_url, [{"role": "user", "content": "Count to five."}])]
+    follow_up = [*first, {"role": "assistant", "content": replies[0]["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "And three more?"}]
+    return [*replies, chat(base_url, follow_up)]
+
+
+def default_model() -> Path:
+    from lmserve.model.default_model import default_model_path
+
+    return Path(default_model_path())
+
+
+# SmolLM2-135M's 9 heads and 3 KV heads split 3 ways, not 2: three ranks on two cores take minutes
+# (measured 143 s), so that case runs only when asked for.
+SMOLLM2_3 = pytest.param("smollm2", 3, id="smollm2-3-ranks", marks=pytest.mark.skipif(
+    not os.environ.get("LMSERVE_TEST_SMOLLM2_3_RANKS"), reason="set LMSERVE_TEST_SMOLLM2_3_RANKS=1 to run (minutes)"))
+
+
+@pytest.mark.parametrize(("model", "ranks"), [(LLAMA, 2), (QWEN3MOE, 2), SMOLLM2_3], ids=["llama3", "qwen3moe", None])
+def test_ranks_reply_as_one_process(model: Path | str, ranks: int) -> None:
+    path = default_model() if model == "smollm2" else model
+    flags = ("--ctx", "512")
+    with start_server(str(path), "--engine", "mlx", *flags,
+                      env={"XDG_CACHE_HOME": tempfile.mkdtemp(prefix="lmserve-dist-cache-")}) as one:
+        expected = conversation(one.base_url)
+    with launch(path, *flags, ranks=ranks) as group:
+        got = conversation(group.base_url)
+        os.kill(group.rank_pid(0), signal.SIGTERM)  # a stop: rank 0 tells the followers
+        group.process.wait(20)
+        banner = group.log()
+    assert GONE not in banner and "exited with code" not in banner, banner  # mlx.launch names non-zero exits
+    assert f"distributed    {ranks} ranks, tensor parallel; weights rank 0" in banner
+    assert banner.count("listening") == 1  # rank 1 opens no socket
+    assert [r["choices"][0]["message"]["content"] for r in got] == \
+        [r["choices"][0]["message"]["content"] for r in expected]
+    assert got[2]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the first turn's prefix
+
+
+def test_killed_rank_ends_the_group_with_one_line() -> None:
+    with launch(LLAMA, "--ctx", "4096") as group:
+        body = {"messages": [{"role": "user", "content": "Tell a long story."}], "temperature": 0,
+                "max_tokens": 4000, "stream": True}
+        with httpx.stream("POST", group.base_url + "/v1/chat/completions", json=body, timeout=30) as reply:
+            lines = reply.iter_lines()
+            for _ in range(3):
+                next(line for line in lines if line.startswith("data:"))
+            os.kill(group.rank_pid(1), signal.SIGKILL)
+            killed = time.monotonic()
+            with contextlib.suppress(httpx.HTTPError):
+                for _ in lines:
+                    pass
+        group.process.wait(30)
+        took = time.monotonic() - killed
+        log = group.log()
+    assert GONE in log, log
+    assert took < 20, log
+
+
+@pytest.mark.parametrize(("model", "refusal"), [
+    (FIXTURES / "gemma3" / "tiny-gemma3-F16.gguf", "mlx-lm's gemma3 model has no tensor-parallel shard()"),
+    ("smollm2", "this model's attention heads 9, KV heads 3 cannot be split evenly across 2 ranks"),
+], ids=["gemma3", "smollm2"])
+def test_refuses_what_cannot_be_split(model: Path | str, refusal: str, tmp_path: Path) -> None:
+    """Every rank refuses before loading weights (mlx.launch itself exits 0 all the same)."""
+    path = default_model() if model == "smollm2" else model
+    proc = subprocess.run(
+        [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
+         sys.executable, "-m", "lmserve.cli", str(path), "--distributed", "--port", str(free_port())],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    out = proc.stdout + proc.stderr
+    assert out.count(refusal) == 2, out  # one line per rank
+    assert "listening" not in out
+
+
+LOCKSTEP_SCRIPT = '''
+import gc, json, sys
+from pathlib import Path
+import numpy as np
+from lmserve.engine_mlx import MLXEngine, distributed
+from lmserve.model.loader import load_model
+
+model = load_model(Path(sys.argv[1]))
+engine = distributed.load(model.gguf, model.config, "tensor")
+if engine is None:  # a follower: rank 0 said STOP
+    sys.exit(0)
+one = MLXEngine(model.gguf, model.config)
+out = {"weights": [engine.weight_bytes, one.weight_bytes], "close": [], "same_ids": []}
+
+def pick(x, i):
+    return x[i] if isinstance(x, tuple) else [pick(e, i) for e in x] if isinstance(x, list) else x
+
+def both(name, *args):
+    """The call on the lockstep engine and on one engine (a pair: each its own); both results."""
+    return getattr(engine, name)(*pick(list(args), 0)), getattr(one, name)(*pick(list(args), 1))
+
+def check(a, b):
+    for x, y in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
+        out["close"].append(bool(np.allclose(x, y, atol=2e-3, rtol=1e-3)))
+        out["same_ids"].append(bool((np.argmax(x, -1) == np.argmax(y, -1)).all()))
+
+a = both("new_cache", 64)
+check(*both("prefill", a, list(range(10, 20))))
+b = both("new_cache", 64)
+both("copy_prefix", a, b, 6)
+check(*both("prefill", b, [30, 31, 32], True))
+check(*both("decode", [a, b], [5, 7]))
+ids = both("decode_argmax", [a, b], [3, 4])
+out["argmax"] = [ids[0].tolist(), ids[1].tolist()]
+check(*both("verify", [a, b], [[1, 2, 3], [4]]))
+both("truncate", a, 8)
+try:
+    engine.prefill(a[0], [10**9])
+except ValueError:
+    out["refused"] = True  # the follower refused it too, and goes on
+check(*both("decode", [a], [9]))
+both("save_cache", a, (Path(sys.argv[2]) / "a.kv", Path(sys.argv[2]) / "one.kv"))
+c = both("load_cache", (Path(sys.argv[2]) / "a.kv", Path(sys.argv[2]) / "one.kv"), 64)
+check(*both("decode", [c], [2]))
+del b
+gc.collect()  # rank 0 dropped a cache: the followers free theirs with the next command
+check(*both("decode", [c, a], [2, 2]))
+out["lengths"] = [a[0].length, c[0].length]
+out["rank_files"] = sorted(p.name for p in Path(sys.argv[2]).iterdir())
+Path(sys.argv[2], "result.json").write_text(json.dumps(out))
+'''
+
+
+@pytest.mark.parametrize("model", [LLAMA, QWEN3MOE, GPT_OSS, QWEN2], ids=["llama3", "qwen3moe", "gpt-oss", "qwen2"])
+def test_lockstep_calls_match_one_engine(model: Path, tmp_path: Path) -> None:
+    """Every engine call through LockstepEngine (batched decode, verify, truncate, copy_prefix, a
+    refused call, save/load, a freed cache) gives one engine's logits, with half the weights."""
+    script = tmp_path / "lockstep.py"
+    script.write_text(LOCKSTEP_SCRIPT)
+    proc = subprocess.run(
+        [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
+         sys.executable, str(script), str(model), str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    result = tmp_path / "result.json"
+    assert result.exists(), proc.stdout + proc.stderr
+    out = json.loads(result.read_text())
+    assert all(out["close"]) and all(out["same_ids"]), out
+    assert out["argmax"][0] == out["argmax"][1]
+    assert out.get("refused") and out["lengths"] == [10, 11]
+    assert {"a.kv", "a.kv.rank1", "one.kv"} <= set(out["rank_files"])  # each rank saves its own share
+    sharded, whole = out["weights"]
+    assert sharded < whole
