@@ -15,15 +15,19 @@ import psutil
 import uvicorn
 
 from lmserve import __version__
+from lmserve.config_file import parse_args_with_config
 from lmserve.model.gguf_file import ModelLoadError
 from lmserve.serving.scheduler import PREFILL_CHUNK
+from lmserve.serving.speculate import DEFAULT_MODE, MODES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lmserve-mac", description=(
         "Serve one GGUF model behind the OpenAI Chat Completions, OpenAI Responses and Anthropic "
         "Messages APIs. Without a model, serves the embedded SmolLM2-135M-Instruct."))
-    p.add_argument("model", nargs="?", help="path to a .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("model", nargs="?",
+                   help="path to a .gguf file, or the name of a model in Ollama, LM Studio, the Hugging Face cache "
+                        "or llama.cpp's cache (see --list; default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
     p.add_argument("--ctx", type=int, default=None,
@@ -31,19 +35,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of it fits in memory, else the largest multiple of 4096 that fits)")
     p.add_argument("--engine", choices=("auto", "cpu", "mlx"), default="auto",
                    help="auto: MLX when it has a GPU, else the NumPy engine")
+    p.add_argument("--distributed", nargs="?", const="tensor", choices=("tensor", "pipeline"), default=None,
+                   help="shard the model across the ranks mlx.launch starts (tensor parallel; see docs/DISTRIBUTED.md)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for the worker (default 16)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
                    help=f"prompt tokens prefilled between two decode steps of the running streams "
                         f"(default {PREFILL_CHUNK}; 0: whole prompts at once)")
+    p.add_argument("--speculate", choices=MODES, default=None,
+                   help=f"speculative decoding, the reply unchanged: ngram drafts from the prompt and reply so far, "
+                        f"draft from the --draft model; off decodes one token per step "
+                        f"(default {DEFAULT_MODE}, or draft with --draft)")
+    p.add_argument("--draft", type=Path, default=None, metavar="GGUF",
+                   help="a small model with the same tokenizer that drafts tokens for the served one to verify")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="reply budget of a request that sets none (default: the rest of the context)")
+    p.add_argument("--temp", type=float, default=None, metavar="T",
+                   help="temperature of a request that sets none (default: the model's recommended one)")
     p.add_argument("--sse-keepalive", type=float, default=5.0, metavar="SECONDS",
                    help="a stream silent this long (queued, long prefill) gets a ping or SSE comment (default 5)")
     p.add_argument("--kv-slots", type=int, default=4,
                    help="resident KV caches reused across requests (default 4, at least --batch)")
     p.add_argument("--kv-slots-force", action="store_true",
                    help="keep --kv-slots even when the RAM guard finds they do not fit")
+    p.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false",
+                   help="prefill every prompt whole, reusing no cached prefix (to measure what reuse saves)")
     p.add_argument("--kv-cache-dir", type=Path, default=None,
                    help="spill evicted KV slots to files here; they survive restarts (off by default)")
     p.add_argument("--kv-disk-slots", type=int, default=8, help="KV cache files kept on disk (default 8)")
@@ -56,29 +72,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="largest request body in bytes; beyond, 413 (default: sized for the context)")
     p.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
                    help="allow cross-origin requests from ORIGIN (repeatable; off by default)")
+    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the one in the GGUF")
+    p.add_argument("--config", type=Path, default=None, metavar="FILE",
+                   help="read flags from this TOML file (default: $XDG_CONFIG_HOME/lmserve/config.toml or "
+                        "~/.config/lmserve/config.toml, when it exists); the command line wins")
+    p.add_argument("--list", action="store_true",
+                   help="list the models in Ollama, LM Studio, the Hugging Face cache and llama.cpp's cache, and exit")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the settings in force (config file and command line) and exit")
     p.add_argument("--version", action="version", version=f"lmserve {__version__}")
-    return p.parse_args(argv)
+    return parse_args_with_config(p, argv)
 
 
 class LoadProgress:
-    """A progress bar on a terminal, a few plain lines otherwise."""
+    """One progress bar with bytes, rate and time left on a terminal; a few plain lines otherwise
+    (logs, services). Engines count tensors: layers are alike, so the share of tensors done times
+    the file's bytes is close to the bytes read, and that is what is shown."""
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, total_bytes: int) -> None:
         self.label = label
-        self.tty = sys.stderr.isatty()
+        self.total_bytes = max(1, total_bytes)
+        self.started = time.monotonic()
+        self._bar = None
         self._last_quarter = -1
 
     def __call__(self, done: int, total: int) -> None:
-        frac = done / total if total else 1.0
-        if self.tty:
-            bar = "#" * int(frac * 30)
-            sys.stderr.write(f"\r{self.label} [{bar:<30}] {done}/{total}")
-            if done >= total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-        elif int(frac * 4) > self._last_quarter:
-            self._last_quarter = int(frac * 4)
-            print(f"{self.label}: {int(frac * 100)}%", file=sys.stderr, flush=True)
+        done_bytes = self.total_bytes * done // total if total else self.total_bytes
+        if sys.stderr.isatty():
+            self._draw(done_bytes)
+        elif done_bytes * 4 // self.total_bytes > self._last_quarter:
+            self._last_quarter = done_bytes * 4 // self.total_bytes
+            rate = done_bytes / max(time.monotonic() - self.started, 1e-6)
+            left = f", {(self.total_bytes - done_bytes) / rate:.0f} s left" if 0 < done_bytes < self.total_bytes else ""
+            print(f"{self.label}: {100 * done_bytes // self.total_bytes}% ({human_bytes(done_bytes)} of "
+                  f"{human_bytes(self.total_bytes)}, {human_bytes(rate)}/s{left})", file=sys.stderr, flush=True)
+
+    def _draw(self, done_bytes: int) -> None:
+        if self._bar is None:  # rich is imported only for a terminal (Litestar depends on it)
+            from rich import progress
+            from rich.console import Console
+
+            self._bar = progress.Progress(
+                "{task.description}", progress.BarColumn(), progress.DownloadColumn(binary_units=True),
+                progress.TransferSpeedColumn(), progress.TimeRemainingColumn(), console=Console(stderr=True))
+            self._task = self._bar.add_task(self.label, total=self.total_bytes)
+            self._bar.start()
+        self._bar.update(self._task, completed=done_bytes)
+        if done_bytes >= self.total_bytes:
+            self._bar.stop()
 
 
 def human_bytes(n: float) -> str:
@@ -131,18 +173,24 @@ def banner(runtime, context_reason: str, ready_s: float) -> str:
     rows = [
         ("model", f"{runtime.model.model_id} ({runtime.model.path})"),
         ("family", family_line(cfg)),
+        ("chat template", runtime.model.template_origin),
         ("quant mix", mix),
         ("engine", f"{engine.name} on {engine.device}"),
         ("context", f"{runtime.ctx} tokens ({context_reason})"),
         ("sampling", f"defaults {runtime.sampling_defaults.describe()}"),
         ("weights", human_bytes(engine.weight_bytes)),
         ("batch / queue", f"{runtime.scheduler.max_batch} / {runtime.options.max_queue}"),
+        ("speculation", runtime.options.speculate),
         ("KV slots", kv_line(runtime)),
         ("listening", f"http://{runtime.options.host}:{runtime.options.port}"),
         ("ready in", f"{ready_s:.2f} s"),
     ]
     if engine.quant_summary:
         rows.insert(3, ("conversion", engine.quant_summary))
+    if hasattr(engine, "ranks"):  # --distributed: each rank's share of the weights, and its free memory
+        shares = ", ".join(f"rank {r} {human_bytes(w)} ({human_bytes(a)} free)" for r, (w, a) in enumerate(engine.ranks))
+        rows.insert(rows.index(("weights", human_bytes(engine.weight_bytes))) + 1,
+                    ("distributed", f"{len(engine.ranks)} ranks, tensor parallel; weights {shares}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"lmserve {__version__}"] + [f"  {k:<{width}}  {v}" for k, v in rows])
 
@@ -165,6 +213,30 @@ def default_max_body(ctx: int) -> int:
     return max(4 * 1024 * 1024, ctx * 64)
 
 
+def check_speculation(args: argparse.Namespace, cheap_verify: bool) -> str:
+    """The `--speculate` mode: draft with `--draft`, else the default where the engine verifies
+    cheaply (`Engine.cheap_verify`), else off; contradictions refused."""
+    mode = args.speculate or ("draft" if args.draft else DEFAULT_MODE if cheap_verify else "off")
+    if (mode == "draft") != (args.draft is not None):
+        raise SystemExit("lmserve: --speculate draft and --draft go together (--draft alone implies it)")
+    return mode
+
+
+def load_draft(path: Path, model, kind: str):
+    """The draft model on the served model's engine kind; refused unless its tokenizer gives every
+    id the served model's bytes (its drafts would be other tokens)."""
+    from lmserve.engine.select import load_engine
+    from lmserve.model.loader import load_model
+    from lmserve.serving.speculate import same_vocabulary
+
+    draft = load_model(path)
+    if not same_vocabulary(model.tokenizer, draft.tokenizer):
+        raise SystemExit(f"lmserve: --draft {path} does not share the tokenizer of {model.path.name} "
+                         f"({draft.tokenizer.vocab_size} tokens against {model.tokenizer.vocab_size}, or other "
+                         "tokens): a draft model must use the same one")
+    return load_engine(kind, draft.gguf, draft.config, LoadProgress("loading draft weights", draft.gguf.file_bytes))
+
+
 class GracefulServer(uvicorn.Server):
     """uvicorn.Server whose exit signal also stops the worker, so open streams end at once with a
     terminal error event instead of holding shutdown until they finish."""
@@ -175,11 +247,17 @@ class GracefulServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         self.runtime.scheduler.request_stop()
+        getattr(self.runtime.engine, "stopping", lambda: None)()  # --distributed: a stuck step ends soon
         super().handle_exit(sig, frame)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.list:
+        from lmserve.model.catalog import listing
+
+        print(listing())
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         serve(args)
@@ -193,6 +271,7 @@ def serve(args: argparse.Namespace) -> None:
     from lmserve.http.guard import GuardOptions, is_loopback_host
     from lmserve.model.default_model import default_model_path
     from lmserve.model.loader import load_model
+    from lmserve.model.resolve import resolve
     from lmserve.runtime import Runtime, ServerOptions, shutting_down
     from lmserve.serving.ram_guard import ContextChoice, default_context
 
@@ -201,25 +280,41 @@ def serve(args: argparse.Namespace) -> None:
     if not loopback and not args.api_key:
         raise SystemExit(f"lmserve: refusing to listen on non-loopback address {args.host} without an API key "
                          "(pass --api-key or set LMSERVE_API_KEY)")
-    path = Path(args.model) if args.model else default_model_path()
-    sock = bind_socket(args.host, args.port)
-    model = load_model(path)
+    path, name = resolve(args.model) if args.model else (default_model_path(), None)
+    rank = 0
+    if args.distributed:  # the group forms first: only rank 0 listens
+        from lmserve.engine_mlx import distributed
+
+        rank = distributed.check_args(args)
+    sock = bind_socket(args.host, args.port) if rank == 0 else None
+    model = load_model(path, name, args.chat_template)
     if args.ctx is not None and args.ctx < 16:
         raise SystemExit(f"lmserve: --ctx {args.ctx} is too small (at least 16)")
+    if args.temp is not None and not 0 <= args.temp <= 2:
+        raise SystemExit(f"lmserve: --temp {args.temp} is outside 0..2")
     if args.prefill_chunk < 0 or args.sse_keepalive <= 0 or (args.max_tokens is not None and args.max_tokens < 1):
         raise SystemExit("lmserve: --prefill-chunk must be 0 or more, --sse-keepalive more than 0, "
                          "--max-tokens at least 1")
-    engine = load_engine(args.engine, model.gguf, model.config, LoadProgress("loading weights"))
+    progress = LoadProgress("loading weights", model.gguf.file_bytes)
+    if args.distributed:
+        engine = distributed.load(model.gguf, model.config, args.distributed, progress)
+        if engine is None:  # a follower: rank 0 has stopped the group
+            return
+    else:
+        engine = load_engine(args.engine, model.gguf, model.config, progress)
+    speculate = check_speculation(args, engine.cheap_verify)
+    draft_engine = load_draft(args.draft, model, engine.name) if speculate == "draft" else None
     context = ContextChoice(args.ctx, "--ctx") if args.ctx else default_context(
         model.config.context_length, model.config.kv_bytes_per_token(engine.kv_dtype_bytes))
     ctx = context.tokens
     options = ServerOptions(host=args.host, port=args.port, ctx=ctx, max_queue=args.queue,
                             max_batch=args.batch, api_key=args.api_key, kv_slots=args.kv_slots,
-                            kv_slots_force=args.kv_slots_force, kv_cache_dir=args.kv_cache_dir,
+                            kv_slots_force=args.kv_slots_force, kv_reuse=args.kv_reuse, kv_cache_dir=args.kv_cache_dir,
                             kv_disk_slots=args.kv_disk_slots, prefill_chunk=args.prefill_chunk,
-                            keepalive=args.sse_keepalive, max_tokens=args.max_tokens)
+                            keepalive=args.sse_keepalive, max_tokens=args.max_tokens, speculate=speculate,
+                            temperature=args.temp)
     try:
-        runtime = Runtime(model, engine, options)
+        runtime = Runtime(model, engine, options, draft_engine)
     except OSError as exc:
         raise SystemExit(f"lmserve: cannot use --kv-cache-dir {args.kv_cache_dir}: {exc}") from None
     if runtime.slot_budget.warning:

@@ -28,6 +28,7 @@ from lmserve.serving.kv_disk import DiskTier
 from lmserve.serving.kv_slots import SlotPool
 from lmserve.serving.ram_guard import plan_slots
 from lmserve.serving.scheduler import PREFILL_CHUNK, QueueFull, Scheduler, ShuttingDown
+from lmserve.serving.speculate import DEFAULT_MODE, drafters
 
 
 @dataclass
@@ -40,10 +41,13 @@ class ServerOptions:
     api_key: str | None = None
     kv_slots: int = 4
     kv_slots_force: bool = False
+    kv_reuse: bool = True
     kv_cache_dir: Path | None = None
     kv_disk_slots: int = 8
     prefill_chunk: int = PREFILL_CHUNK
+    speculate: str = DEFAULT_MODE  # "ngram" (prompt lookup), "draft" (a draft model's engine is given) or "off"
     max_tokens: int | None = None  # reply budget of a request that sets none (None: the rest of the context)
+    temperature: float | None = None  # --temp: default temperature over the model's recommended one
     keepalive: float = 5.0  # seconds of silence after which a stream writes a keep-alive frame
     started_at: float = field(default_factory=time.time)
 
@@ -51,13 +55,16 @@ class ServerOptions:
 class Runtime:
     """Owns model, engine and scheduler for the lifetime of the server."""
 
-    def __init__(self, model: LoadedModel, engine: Engine, options: ServerOptions) -> None:
+    def __init__(self, model: LoadedModel, engine: Engine, options: ServerOptions,
+                 draft_engine: Engine | None = None) -> None:
         self.model = model
         self.engine = engine
         self.options = options
         self.ctx = options.ctx
         self.prompts = PromptBuilder(model.tokenizer, model.template)
         self.sampling_defaults = recommended_sampling(model.config.architecture, model.gguf.metadata)
+        if options.temperature is not None:
+            self.sampling_defaults = self.sampling_defaults.with_temperature(options.temperature)
         self.replies = ReplyPlanner(model.tokenizer, model.template)
         cfg = model.config
         per_token = cfg.kv_bytes_per_token(engine.kv_dtype_bytes)
@@ -68,9 +75,10 @@ class Runtime:
             disk = DiskTier(options.kv_cache_dir, model.gguf.header_digest(),
                             [engine.name, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim], options.kv_disk_slots)
         self.warm = threading.Event()  # set once first-use work (tool parsers, grammar tokenizer) is done
-        self.slots = SlotPool(engine, self.slot_budget.slots, options.ctx, disk)
+        self.slots = SlotPool(engine, self.slot_budget.slots, options.ctx, disk, options.kv_reuse)
         self.scheduler = Scheduler(engine, model.tokenizer, self.slots, options.max_queue, options.max_batch,
-                                   options.prefill_chunk)
+                                   options.prefill_chunk,
+                                   drafters(options.speculate, options.ctx, model.config.vocab_size, draft_engine))
 
     def start(self) -> None:
         self.scheduler.start()

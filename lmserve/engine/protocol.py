@@ -53,6 +53,10 @@ class Engine(Protocol[C]):
     # True when `decode_argmax` saves work over `decode` + a host argmax (it runs on the device and
     # copies only ids back): the scheduler then uses it for batches that need no host logits.
     device_argmax: bool
+    # True when a `verify` pass of up to 16 rows costs a few decode steps at most (a GPU, BLAS
+    # matrix products); False where every row costs a full step (MLX's CPU backend), and prompt
+    # lookup is then off unless asked for.
+    cheap_verify: bool = True
 
     def new_cache(self, max_tokens: int) -> C:
         """An empty cache for up to `max_tokens` positions (memory is allocated as it fills)."""
@@ -70,6 +74,14 @@ class Engine(Protocol[C]):
 
     def decode_argmax(self, caches: Sequence[C], token_ids: Sequence[int]) -> np.ndarray:
         """`decode` followed by a greedy pick: the int64 ids `[batch]` its logits argmax to."""
+        ...
+
+    def verify(self, caches: Sequence[C], token_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Several tokens per sequence in one pass (speculative decoding checks a draft with it):
+        appends each `token_ids[i]` (one or more) to `caches[i]` and returns, per sequence, the
+        logits of every new position `[len(token_ids[i]), vocab]`. Shorter lists may be padded
+        inside the pass, so every cache needs room for the longest; the caller truncates back
+        whatever it rejects."""
         ...
 
     def truncate(self, cache: C, n: int) -> None:
@@ -96,3 +108,14 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
     if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError(f"token id out of range 0..{vocab_size - 1}")
     return ids
+
+
+def verify_rows(caches: Sequence[KVCache], token_ids: Sequence[Sequence[int]],
+                vocab_size: int) -> tuple[list[int], np.ndarray]:
+    """`verify`'s arguments checked (distinct caches, one list of one or more ids each) and padded
+    to the longest with each list's own last token: (the lists' lengths, int64 ids `[batch, width]`)."""
+    lists = [check_token_ids(ids, vocab_size) for ids in token_ids]
+    if not lists or len(caches) != len(lists) or len({id(c) for c in caches}) != len(caches) or not all(map(len, lists)):
+        raise ValueError("verify needs distinct caches, each with one or more tokens")
+    width = max(map(len, lists))
+    return [len(ids) for ids in lists], np.stack([np.pad(ids, (0, width - len(ids)), mode="edge") for ids in lists])

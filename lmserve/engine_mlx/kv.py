@@ -5,7 +5,9 @@ positions). Sequences decoded together are merged into one left-padded `BatchKVC
 (what mlx-lm's BatchGenerator does): the batch persists across steps while its membership holds,
 so a steady batch copies nothing; a sequence that leaves it takes its row back, and the others
 stay merged. Per-row lengths differ: the batch cache's mask hides each row's padding and its
-per-row offsets drive RoPE.
+per-row offsets drive RoPE. A row truncated while merged (a verify pass's rejected drafts) stays
+merged: the positions every row drops are trimmed, the rest of a row's are rolled into its left
+padding before the batch is next used.
 
 A sliding-window layer (Gemma 3, gpt-oss) keeps every position too, not only its window as mlx-lm's
 `RotatingKVCache` does, so that a cache can be truncated or copied to any prefix for KV reuse; but
@@ -125,14 +127,44 @@ class Batch:
         for cache in members:
             cache.own()
         self.members = list(members)
-        self.layers = [merged([m.layers[i] for m in members]) for i in range(len(members[0].layers))]
+        self._layers = [merged([m.layers[i] for m in members]) for i in range(len(members[0].layers))]
+        self._drops = [0] * len(self.members)  # per row: trailing positions to drop before next use
         for cache in members:
             cache.layers = []
             cache.batch = self
 
     @property
+    def layers(self) -> list[BatchKVCache]:
+        """The merged per-layer caches, with every drop asked for applied."""
+        if any(self._drops):
+            self._apply_drops()
+        return self._layers
+
+    @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        return sum(layer.nbytes for layer in self._layers)  # no drops applied: metrics read it from any thread
+
+    def drop(self, cache: MLXKVCache, n: int) -> None:
+        """Forget member `cache`'s last `n` positions (applied lazily, all rows at once)."""
+        self._drops[next(i for i, m in enumerate(self.members) if m is cache)] += n
+
+    def _apply_drops(self) -> None:
+        """What every row drops is trimmed; the rest of a row's drop is rolled into its left
+        padding (mlx-lm's right-padding `finalize`), and padding all rows share is cut off."""
+        drops, self._drops = self._drops, [0] * len(self.members)
+        common = min(drops)
+        rest = [d - common for d in drops]
+        for layer in self._layers:
+            layer.trim(common)
+            if layer.keys is None or not any(rest):
+                continue
+            layer.prepare(right_padding=rest)
+            layer.finalize()
+            shared = min(layer.left_padding.tolist())
+            if shared:  # as BatchKVCache.filter shifts, without its gather
+                layer.keys, layer.values = layer.keys[..., shared:, :], layer.values[..., shared:, :]
+                layer._idx -= shared
+                layer.left_padding -= shared
 
     @classmethod
     def of(cls, caches: Sequence[MLXKVCache]) -> Batch:
@@ -152,23 +184,26 @@ class Batch:
             for layer in self.layers:
                 layer.filter(index)
             self.members = list(caches)
+            self._drops = [0] * len(self.members)
 
     def release(self, caches: Sequence[MLXKVCache]) -> None:
         """Give these members their rows back as their own caches; the rest stay merged."""
         if not caches:
             return
+        layers = self.layers
         rows = [i for i, m in enumerate(self.members) if any(m is c for c in caches)]
         for i in rows:
             cache = self.members[i]
             cache.layers = [layer.extract(i) if layer.keys is not None else cache.empty_layer(j)
-                            for j, layer in enumerate(self.layers)]
+                            for j, layer in enumerate(layers)]
             cache.batch = None
         mx.eval([(layer.keys, layer.values) for c in caches for layer in c.layers if layer.keys is not None])
         kept = [i for i in range(len(self.members)) if i not in rows]
         self.members = [self.members[i] for i in kept]
+        self._drops = [0] * len(self.members)
         if kept:
             index = mx.array(kept)
-            for layer in self.layers:
+            for layer in layers:
                 layer.filter(index)
         else:
-            self.layers = []
+            self._layers = []

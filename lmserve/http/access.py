@@ -16,8 +16,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lmserve.core.events import CLIENT_CLOSED, Event, Failed, Finished, TextDelta, Usage
+from lmserve.core.events import (
+    CLIENT_CLOSED,
+    Event,
+    Failed,
+    Finished,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallEvent,
+    Usage,
+)
 from lmserve.http.metrics import Metrics
+from lmserve.serving.handle import SpeculationUsage
 
 log = logging.getLogger("lmserve.access")
 RECORD_KEY = "lmserve.record"
@@ -43,25 +53,27 @@ class RequestRecord:
     request_id: str
     started: float
     metrics: Metrics
-    ttft: float | None = None
-    last_text: float | None = None
+    ttft: float | None = None  # to the first output of any kind: text, reasoning or a tool call
+    last_output: float | None = None
     usage: Usage | None = None
     outcome: str | None = None  # of the generation: "ok", "error" or "client_closed"
 
     def observe(self, event: Event) -> None:
         now = time.perf_counter()
-        if isinstance(event, TextDelta):
+        if isinstance(event, TextDelta | ReasoningDelta | ToolCallEvent):
             if self.ttft is None:
                 self.ttft = now - self.started
                 self.metrics.ttft.observe(self.ttft)
             else:
-                self.metrics.inter_token.observe(now - self.last_text)
-            self.last_text = now
+                self.metrics.inter_token.observe(now - self.last_output)
+            self.last_output = now
         elif isinstance(event, Finished):
             self.usage = event.usage
             self.outcome = self.outcome or "ok"
             self.metrics.count_tokens(event.usage.prompt_tokens, event.usage.completion_tokens,
                                       event.usage.cached_tokens)
+            if isinstance(event.usage, SpeculationUsage):
+                self.metrics.count_drafts(event.usage.drafted, event.usage.accepted)
         elif isinstance(event, Failed):  # a client that left overrides whatever else was seen
             self.outcome = CLIENT_CLOSED if event.error_type == CLIENT_CLOSED else self.outcome or "error"
 
@@ -97,6 +109,7 @@ class AccessLog:
             if record.outcome == CLIENT_CLOSED:
                 self.metrics.count_client_closed(route)
             usage = record.usage
+            drafts = usage if isinstance(usage, SpeculationUsage) else None
             level = logging.DEBUG if route == "/health" else logging.INFO  # probes would drown the log
             log.log(level, json.dumps({
                 "request_id": request_id, "method": scope.get("method"), "route": route, "status": status,
@@ -104,6 +117,8 @@ class AccessLog:
                 "prompt_tokens": usage.prompt_tokens if usage else None,
                 "completion_tokens": usage.completion_tokens if usage else None,
                 "cached_tokens": usage.cached_tokens if usage else None,
+                "drafted_tokens": drafts.drafted if drafts else None,
+                "accepted_tokens": drafts.accepted if drafts else None,
                 "ttft_ms": round(record.ttft * 1000, 1) if record.ttft is not None else None,
                 "duration_ms": round((time.perf_counter() - record.started) * 1000, 1),
             }))

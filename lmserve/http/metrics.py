@@ -44,7 +44,7 @@ class Metrics:
         self._lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = defaultdict(int)
         self.client_closed: dict[str, int] = defaultdict(int)
-        self.tokens = {"prompt": 0, "completion": 0, "cached": 0}
+        self.tokens = {"prompt": 0, "completion": 0, "cached": 0, "draft": 0, "draft_accepted": 0}
         self.ttft = Histogram()
         self.inter_token = Histogram()
         self.gauges = gauges
@@ -63,6 +63,11 @@ class Metrics:
             self.tokens["completion"] += completion
             self.tokens["cached"] += cached
 
+    def count_drafts(self, drafted: int, accepted: int) -> None:
+        with self._lock:
+            self.tokens["draft"] += drafted
+            self.tokens["draft_accepted"] += accepted
+
     def render(self) -> str:
         with self._lock:
             out = ["# HELP lmserve_requests_total HTTP requests by route and status.",
@@ -75,13 +80,15 @@ class Metrics:
                     for route, n in sorted(self.client_closed.items())]
             for kind, help_text in (("prompt", "Prompt tokens of requests that finished."),
                                     ("completion", "Tokens of replies that finished (not of those whose client left)."),
-                                    ("cached", "Prompt tokens served from the KV cache.")):
+                                    ("cached", "Prompt tokens served from the KV cache."),
+                                    ("draft", "Speculative draft tokens verified, in replies that finished."),
+                                    ("draft_accepted", "Of those draft tokens, the ones the model accepted.")):
                 name = f"lmserve_{kind}_tokens_total"
                 out += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {self.tokens[kind]}"]
             for name, (help_text, read) in self.gauges.items():
                 out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {read()}"]
             for name, hist, help_text in (
-                ("lmserve_time_to_first_token_seconds", self.ttft, "Request arrival to first generated text."),
+                ("lmserve_time_to_first_token_seconds", self.ttft, "Request arrival to the first output: text, reasoning or a tool call."),
                 ("lmserve_inter_token_latency_seconds", self.inter_token, "Gap between streamed text pieces."),
             ):
                 out += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram", *hist.render(name)]

@@ -11,11 +11,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
-from lmserve.core.events import CLIENT_CLOSED, Event, Failed, Finished, KeepAlive
+from lmserve.core.events import CLIENT_CLOSED, Event, Failed, Finished, KeepAlive, Usage
 from lmserve.serving.jobs import GenerationJob
 
 Observer = Callable[[Event], None]
+
+
+@dataclass(frozen=True)
+class SpeculationUsage(Usage):
+    """The usage a finished job reports, with what speculative decoding did for it (the access
+    log and /metrics show it; the dialects see a plain Usage)."""
+
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # of them, the tokens the model agreed with
 
 
 class RequestHandle:

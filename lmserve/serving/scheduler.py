@@ -6,6 +6,12 @@ runs is prefilled in chunks of `prefill_chunk` tokens, one chunk between two dec
 long prompt never stalls the running streams for more than one chunk; it joins the batch once
 its prompt is in the cache. A cancelled job (client gone) is dropped from the queue at once and
 from the batch at the next step or chunk, giving back its slot.
+
+With speculative decoding (serving/speculate.py) a step is a verify pass whenever a sequence has
+a draft: each sequence feeds its last token plus its draft (possibly none), picks from every
+position's logits as a decode step would, keeps the draft up to the first disagreement and
+truncates its cache back to the tokens taken. Every token still goes through `_emit` one by one,
+so stop strings, grammars, logprobs and max_tokens see exactly what plain decoding shows them.
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lmserve.chat.reply import ReplyDecoder
-from lmserve.core.events import Failed, Finished, Started, Usage
+from lmserve.core.events import Failed, Finished, Started
 from lmserve.engine.protocol import Engine
 from lmserve.model.tokenizer import Tokenizer
+from lmserve.serving.handle import SpeculationUsage
 from lmserve.serving.jobs import GenerationJob
 from lmserve.serving.kv_slots import Slot, SlotPool
 from lmserve.serving.sampling import Sampler, token_logprob
+from lmserve.serving.speculate import Drafter, DrafterFactory, PromptLookup
 
 log = logging.getLogger("lmserve.scheduler")
 
@@ -50,6 +58,7 @@ class _Sequence:
     cached_tokens: int = 0
     fed: int = 0  # prompt tokens in the cache so far (the rest is still to prefill)
     generated: list[int] = field(default_factory=list)
+    drafter: Drafter | None = None  # None: speculation is off
 
     @property
     def cache(self):
@@ -71,6 +80,7 @@ class Scheduler:
         max_queue: int = 16,
         max_batch: int = 1,
         prefill_chunk: int = PREFILL_CHUNK,
+        drafters: DrafterFactory | None = PromptLookup,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -79,6 +89,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.max_batch = max(1, min(max_batch, len(slots.slots)))
         self.prefill_chunk = max(0, prefill_chunk)
+        self.drafters = drafters  # makes each admitted sequence's drafter (None: no speculation)
         self.tokens_generated = 0  # every token the engine produced, for tests and metrics
         self._queue: deque[GenerationJob] = deque()
         self._prefilling: deque[_Sequence] = deque()  # admitted, prompt partly in the cache
@@ -184,7 +195,8 @@ class Scheduler:
             return
         seq = _Sequence(job, adoption.slot, Sampler(job.sampling, job.prompt_ids),
                         ReplyDecoder(job.reply, self.tokenizer.token_bytes, job.stop, job.max_tokens),
-                        adoption.reused, fed=adoption.reused)
+                        adoption.reused, fed=adoption.reused,
+                        drafter=self.drafters(job.prompt_ids) if self.drafters else None)
         job.emit(Started(len(job.prompt_ids), adoption.reused))
         self._prefilling.append(seq)
 
@@ -217,12 +229,19 @@ class Scheduler:
             self._fail(seq, exc)
 
     def _step(self) -> None:
+        """One engine pass for every running sequence: a verify pass when any has a draft (the
+        others take part with their one token), else a decode step."""
         caches = [s.cache for s in self._active]
         tokens = [s.last_token for s in self._active]
-        device_greedy = self.engine.device_argmax and not any(
+        drafts = self._drafts()
+        verify = any(drafts)
+        device_greedy = not verify and self.engine.device_argmax and not any(
             s.job.sampling.needs_host_logits or s.reply.needs_logits for s in self._active)
         try:
-            rows = self.engine.decode_argmax(caches, tokens) if device_greedy else self.engine.decode(caches, tokens)
+            if verify:
+                rows = self.engine.verify(caches, [[t, *d] for t, d in zip(tokens, drafts, strict=True)])
+            else:
+                rows = self.engine.decode_argmax(caches, tokens) if device_greedy else self.engine.decode(caches, tokens)
         except Exception as exc:  # the engine step failed: every sequence in it fails
             log.exception("decode step failed")
             for seq in self._active:
@@ -230,9 +249,12 @@ class Scheduler:
             self._active = []
             return
         still = []
-        for seq, row in zip(self._active, rows, strict=True):
+        for seq, draft, row in zip(self._active, drafts, rows, strict=True):
             try:
-                done = self._advance(seq, token=int(row)) if device_greedy else self._advance(seq, logits=row)
+                if verify:
+                    done = self._verified(seq, draft, row)
+                else:
+                    done = self._advance(seq, token=int(row)) if device_greedy else self._advance(seq, logits=row)
             except Exception as exc:  # one sequence's failure leaves the others decoding
                 log.exception("sequence failed")
                 self._fail(seq, exc)
@@ -241,23 +263,74 @@ class Scheduler:
                 still.append(seq)
         self._active = still
 
+    def _drafts(self) -> list[list[int]]:
+        """Each running sequence's draft ([]: none), capped so that taking all of it cannot pass
+        the request's max_tokens, and so that every cache has room for the longest list (a verify
+        pass may pad the others to it)."""
+        if not any(s.drafter for s in self._active):
+            return [[] for _ in self._active]
+        room = min(s.cache.capacity - s.cache.length for s in self._active) - 1
+        shared = len(self._active) > 1
+        drafts: list[list[int]] = []
+        for seq in self._active:
+            limit = min(room, seq.job.max_tokens - len(seq.generated) - 1)
+            try:
+                drafts.append(seq.drafter.draft(limit, shared) if seq.drafter else [])
+            except Exception:  # a drafter's failure (a draft model's) costs its sequence the drafts only
+                log.exception("drafting failed: the sequence goes on without drafts")
+                seq.drafter = None
+                drafts.append([])
+        return drafts
+
+    def _verified(self, seq: _Sequence, draft: list[int], logits: np.ndarray) -> bool:
+        """Pick from each verified position as plain decoding would and keep the draft while the
+        picks agree with it. With sampling, drawing from p and accepting the draft token x when
+        the draw is x is the standard speculative rule for a one-hot draft (accepted with
+        probability p(x); a rejection is distributed as p without x, renormalised), and it uses
+        the request's random stream as plain decoding does: a seeded reply does not depend on
+        speculation. True when the job is over."""
+        base = seq.cache.length - len(logits)  # before the pass, which fed the last token and the draft
+        reason, accepted = None, 0
+        for i, row in enumerate(logits):
+            token, adjusted = seq.sampler.sample(seq.reply.mask(row))
+            hit = i < len(draft) and token == draft[i]
+            accepted += hit
+            reason = self._emit(seq, token, adjusted)
+            if reason or not hit:
+                break
+        # The cache keeps the fed token and the accepted drafts, never more than the reply holds
+        # (an accepted end-of-turn token is not part of it).
+        keep = min(base + 1 + accepted, seq.fed + len(seq.generated))
+        if keep < seq.cache.length:
+            self.engine.truncate(seq.cache, keep)
+        if draft and seq.drafter is not None:
+            seq.drafter.record(len(draft), accepted)
+        return reason is not None and self._finish(seq, reason)
+
     def _fail(self, seq: _Sequence, exc: Exception) -> None:
         self.slots.release(seq.slot, [])
         seq.job.emit(Failed(f"generation failed: {exc}"))
 
     def _advance(self, seq: _Sequence, logits: np.ndarray | None = None, token: int | None = None) -> bool:
         """Sample (unless the device already did), stream the token; True when the job is over."""
-        job = seq.job
         if token is None:
             token, adjusted = seq.sampler.sample(seq.reply.mask(logits))
         else:
             seq.sampler.accept(token)
             adjusted = None
+        reason = self._emit(seq, token, adjusted)
+        return reason is not None and self._finish(seq, reason)
+
+    def _emit(self, seq: _Sequence, token: int, adjusted: np.ndarray | None) -> str | None:
+        """Stream one picked token; the finish reason when the job is over with it, else None."""
+        job = seq.job
         self.tokens_generated += 1
         seq.generated.append(token)
+        if seq.drafter is not None:
+            seq.drafter.extend([token])
         if token in self.tokenizer.eog_ids:  # the end-of-turn token is not part of the reply
             seq.generated.pop()
-            return self._finish(seq, "stop")
+            return "stop"
         lp = None
         if job.sampling.logprobs and adjusted is not None:
             lp = token_logprob(adjusted, token, job.sampling.top_logprobs,
@@ -265,10 +338,11 @@ class Scheduler:
         for event in seq.reply.push(token, lp):
             job.emit(event)
         if seq.reply.done:
-            return self._finish(seq, "stop")
-        if len(seq.generated) >= job.max_tokens or seq.cache.length >= self.ctx:
-            return self._finish(seq, "length")
-        return False
+            return "stop"
+        # The positions a next step would need (the cache may hold unverified drafts right now).
+        if len(seq.generated) >= job.max_tokens or seq.fed + len(seq.generated) > self.ctx:
+            return "length"
+        return None
 
     def _finish(self, seq: _Sequence, reason: str) -> bool:
         for event in seq.reply.finish():
@@ -276,7 +350,10 @@ class Scheduler:
         self._retire(seq)
         if reason == "stop" and seq.reply.tool_calls:
             reason = "tool_calls"
-        usage = Usage(len(seq.job.prompt_ids), len(seq.generated), seq.cached_tokens, seq.reply.reasoning_tokens)
+        drafter = seq.drafter
+        usage = SpeculationUsage(len(seq.job.prompt_ids), len(seq.generated), seq.cached_tokens,
+                                 seq.reply.reasoning_tokens, drafter.drafted if drafter else 0,
+                                 drafter.accepted if drafter else 0)
         seq.job.emit(Finished(reason, usage, seq.reply.stop_sequence))
         return True
 

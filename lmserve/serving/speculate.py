@@ -1,0 +1,192 @@
+"""Speculative decoding: drafts of the next tokens that the scheduler verifies in one engine pass.
+
+The scheduler feeds a sequence's last token and its draft to `Engine.verify` (one forward pass),
+picks a token from each position's logits exactly as plain decoding would, and keeps the draft
+while the picks agree with it: the first disagreement is replaced by the model's own pick, and
+the cache is truncated back to the tokens taken. Whatever drafts, the reply is plain decoding's.
+
+Drafters (`--speculate`):
+- `ngram` (`PromptLookup`): a reply that copies (an edited file, a quoted passage, code echoed
+  from the conversation) repeats runs of its prompt or of itself. The last n tokens (n = 3, then
+  2, then 1) are looked up at their earlier occurrences in the prompt and reply so far, and what
+  followed the one that also matches the most tokens before them (up to `CONTEXT`; the latest
+  among equals) is the draft.
+- `draft` (`ModelDrafter`, `--draft small.gguf`): a small model with the same tokenizer writes
+  the draft greedily, from its own cache of the sequence.
+
+A verify pass costs more than a decode step (on the NumPy engine a pass of 2 to 16 rows costs
+1.7 to 3.7 single-row steps), so drafting is kept to where it pays (`Drafter`). A sequence whose
+draft gains nothing pauses drafting for `PAUSE` tokens, twice as long each time that happens
+again (at most `MAX_PAUSE`), and an accepted draft resets the pause: a reply with nothing to
+copy pays for a few probes, not for a draft every step. In a pass shared with other sequences a
+long draft widens it for all of them (the engine pads to the longest list), so there a sequence
+only probes with `PROBE` tokens until a draft of it is accepted whole. And prompt lookup drafts
+from a match shorter than 3 tokens only right after a draft was accepted whole: in prose such
+matches are mostly chance (measured on SmolLM2: at most a quarter of 1-token matches gain a token,
+nine in ten 3-token matches do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from lmserve.engine.protocol import Engine
+from lmserve.model.tokenizer import Tokenizer
+from lmserve.serving.kv_slots import common_prefix
+
+MODES = ("off", "ngram", "draft")
+DEFAULT_MODE = "ngram"  # measured not to lose: scripts/bench_engine.py --speculate, docs/LMSERVER.md
+NGRAM = 3  # trailing tokens a match needs (fewer only while copying)
+CONTEXT = 8  # trailing tokens compared at most to choose between matches (the latest alone: fewer accepted)
+MAX_DRAFT = 15  # per step: 16 rows cost the NumPy engine no more than 8-11 (edit bench: 2.00x; at 10: 1.69x)
+MODEL_DRAFT = 4  # tokens a draft model writes at most per step (one small-model step each)
+PROBE = 3  # the most a sequence drafts in a shared pass until a draft of it is accepted whole
+PAUSE, MAX_PAUSE = 8, 256
+CATCH_UP = 256  # prompt tokens a draft model prefills per step before it drafts again
+
+
+class Drafter:
+    """What every drafter shares: the request's counts, and when to draft at all."""
+
+    max_draft = MAX_DRAFT
+
+    def __init__(self) -> None:
+        self.drafted = 0  # tokens proposed over the request
+        self.accepted = 0  # of them, the tokens the model agreed with
+        self.copying = False  # the last draft was accepted whole
+        self._pause = PAUSE
+        self._resume_at = 0  # no draft before the sequence holds this many tokens
+
+    @property
+    def length(self) -> int:
+        """Tokens in the sequence so far."""
+        raise NotImplementedError
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Tokens now part of the sequence (each generated token, as it is taken)."""
+        raise NotImplementedError
+
+    def propose(self, limit: int) -> list[int]:
+        """Up to `limit` (at least 1) tokens that may come next."""
+        raise NotImplementedError
+
+    def draft(self, limit: int, shared: bool = False) -> list[int]:
+        """Up to `limit` tokens that may come next; [] while paused. `shared`: other sequences
+        take part in the pass."""
+        limit = min(limit, self.max_draft if self.copying or not shared else PROBE)
+        if limit <= 0 or self.length < self._resume_at:
+            return []
+        return self.propose(limit)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """What became of a draft: the request's counts, and whether to pause."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.copying = accepted == drafted
+        if accepted:
+            self._pause = PAUSE
+            return
+        self._resume_at = self.length + self._pause
+        self._pause = min(2 * self._pause, MAX_PAUSE)
+
+
+class PromptLookup(Drafter):
+    """Drafts what followed the earlier occurrence of the sequence's last tokens that matches
+    the most of them (the latest among equals)."""
+
+    def __init__(self, prompt_ids: Sequence[int]) -> None:
+        super().__init__()
+        self._ids = np.zeros(max(64, 2 * len(prompt_ids)), dtype=np.int64)
+        self._n = 0
+        self.extend(prompt_ids)
+
+    @property
+    def length(self) -> int:
+        return self._n
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        end = self._n + len(token_ids)
+        if end > len(self._ids):
+            self._ids = np.concatenate([self._ids, np.zeros(max(end, len(self._ids)), dtype=np.int64)])
+        self._ids[self._n:end] = token_ids
+        self._n = end
+
+    def propose(self, limit: int) -> list[int]:
+        ids, last = self._ids[:self._n], self._n - 1
+        ends = np.flatnonzero(ids[:last] == ids[last])  # earlier positions that end a 1-token match
+        n = 1
+        while len(ends) and n < min(CONTEXT, last):  # narrow to the longest match that occurs
+            longer = ends[ends >= n]
+            longer = longer[ids[longer - n] == ids[last - n]]
+            if not len(longer):
+                break
+            ends, n = longer, n + 1
+        if not len(ends) or (n < NGRAM and not self.copying):
+            return []
+        start = int(ends[-1]) + 1  # the latest occurrence: what followed it there
+        return ids[start:start + limit].tolist()
+
+
+class ModelDrafter(Drafter):
+    """A small model's greedy continuation, from its own cache of the sequence: each step it
+    catches up on the tokens taken since (rewinding past the draft tokens that were rejected)."""
+
+    max_draft = MODEL_DRAFT
+
+    def __init__(self, engine: Engine, prompt_ids: Sequence[int], ctx: int, vocab_size: int) -> None:
+        super().__init__()
+        self.engine = engine
+        self.vocab_size = vocab_size  # the served model's: a draft model's padded rows never propose
+        self._cache = engine.new_cache(ctx)
+        self._tokens = list(prompt_ids)
+        self._fed: list[int] = []  # what the draft cache holds
+
+    @property
+    def length(self) -> int:
+        return len(self._tokens)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        self._tokens += token_ids
+
+    def propose(self, limit: int) -> list[int]:
+        keep = min(common_prefix(self._fed, self._tokens), len(self._tokens) - 1)  # the last token is fed anew
+        if keep < len(self._fed):
+            self.engine.truncate(self._cache, keep)
+            del self._fed[keep:]
+        gap = self._tokens[keep:]
+        if len(gap) > CATCH_UP:  # a long prompt: a chunk per step, so the batch never stalls on it
+            self.engine.prefill(self._cache, gap[:CATCH_UP])
+            self._fed += gap[:CATCH_UP]
+            return []
+        draft = [int(np.argmax(self.engine.prefill(self._cache, gap)[:self.vocab_size]))]
+        self._fed += gap
+        while len(draft) < limit:
+            self._fed.append(draft[-1])
+            token = int(self.engine.decode_argmax([self._cache], draft[-1:])[0])
+            if token >= self.vocab_size:
+                break
+            draft.append(token)
+        return draft
+
+
+DrafterFactory = Callable[[Sequence[int]], Drafter]
+
+
+def drafters(mode: str, ctx: int, vocab_size: int, draft_engine: Engine | None = None) -> DrafterFactory | None:
+    """What makes each admitted sequence's drafter under `--speculate mode` (None: off)."""
+    if mode == "ngram":
+        return PromptLookup
+    if mode == "draft":
+        if draft_engine is None:
+            raise ValueError("--speculate draft needs a draft model (--draft)")
+        return lambda prompt_ids: ModelDrafter(draft_engine, prompt_ids, ctx, vocab_size)
+    if mode != "off":
+        raise ValueError(f"unknown --speculate mode {mode!r}")
+    return None
+
+
+def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether two models' tokenizers give every id the same bytes (a draft model's must)."""
+    return a.vocab_size == b.vocab_size and all(a.token_bytes(i) == b.token_bytes(i) for i in range(a.vocab_size))
