@@ -5,7 +5,7 @@ memory bandwidth divided by the bytes of weights a token reads. The bandwidth is
 same run (machines and their neighbours vary), with the kernel decode itself uses: a BLAS
 matrix-vector product over a matrix much larger than the caches.
 
-    python scripts/bench_engine.py [--engine cpu|mlx] [--model PATH ...] [--rounds N] [--grammar]
+    python scripts/bench_engine.py [--engine cpu|mlx] [--model PATH ...] [--rounds N] [--grammar] [--speculate]
 
 With several models, a summary table follows their reports (on MLX: the best of `--rounds`
 interleaved runs of the engine and of mlx-lm's `generate_step` on the same model object).
@@ -133,14 +133,19 @@ def bench_prompt(engine: Engine, ids: list[int]) -> float:
     return len(ids) / (time.perf_counter() - start)
 
 
-def bench_decode(engine: Engine, prompt: list[int], steps: int, streams: int) -> float:
-    """Aggregate tokens per second of greedy decoding `streams` sequences together."""
+def bench_decode(engine: Engine, prompt: list[int], steps: int, streams: int) -> tuple[float, float]:
+    """Aggregate tokens per second of greedy decoding `streams` sequences together, and the fastest
+    step in seconds (neighbours' load only ever slows a step down: on a shared machine the fastest
+    step is the one to compare across runs)."""
     caches = [engine.new_cache(len(prompt) + steps + 1) for _ in range(streams)]
     tokens = [int(engine.prefill(c, prompt[i:]).argmax()) for i, c in enumerate(caches)]
+    fastest = float("inf")
     start = time.perf_counter()
     for _ in range(steps):
+        step = time.perf_counter()
         tokens = engine.decode(caches, tokens).argmax(-1).tolist()
-    return streams * steps / (time.perf_counter() - start)
+        fastest = min(fastest, time.perf_counter() - step)
+    return streams * steps / (time.perf_counter() - start), fastest
 
 
 def main() -> None:
@@ -155,6 +160,8 @@ def main() -> None:
                         help="mlx: the K-quant GGUF whose cold (converting) and warm (cached) start is timed")
     parser.add_argument("--rounds", type=int, default=3, help="mlx: interleaved runs against mlx-lm, best kept")
     parser.add_argument("--grammar", action="store_true", help="also time a JSON-schema grammar per token")
+    parser.add_argument("--speculate", action="store_true",
+                        help="also time greedy replies through the scheduler with prompt lookup against without")
     parser.add_argument("--probe-ready", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     models = args.model or [None]
@@ -182,8 +189,8 @@ def bench_model(args: argparse.Namespace, bandwidth: tuple[float, float], first:
     engine.prefill(engine.new_cache(8), prompt[:8])  # warm up: BLAS threads, first-call setup
     prompt_tps = bench_prompt(engine, prompt)
     decode_prompt = prompt[:32]
-    decode_tps = bench_decode(engine, decode_prompt, args.decode_tokens, 1)
-    batch_tps = bench_decode(engine, decode_prompt, args.decode_tokens // 2, args.streams)
+    decode_tps, decode_step = bench_decode(engine, decode_prompt, args.decode_tokens, 1)
+    batch_tps, batch_step = bench_decode(engine, decode_prompt, args.decode_tokens // 2, args.streams)
     gemv_bw, copy_bw = bandwidth
     bound = gemv_bw / loaded.bytes_per_token
 
@@ -194,8 +201,10 @@ def bench_model(args: argparse.Namespace, bandwidth: tuple[float, float], first:
         ("process start to ready", f"{ready_s:.2f} s (engine load alone {load_s:.2f} s)"),
         ("resident weights", f"{engine.weight_bytes / 1e6:.0f} MB"),
         ("prompt", f"{prompt_tps:.1f} tok/s ({args.prompt_tokens} tokens)"),
-        ("decode, 1 stream", f"{decode_tps:.1f} tok/s ({args.decode_tokens} tokens greedy)"),
-        (f"decode, {args.streams} streams", f"{batch_tps:.1f} tok/s aggregate"),
+        ("decode, 1 stream", f"{decode_tps:.1f} tok/s, {1e3 / decode_tps:.1f} ms a step, fastest "
+                             f"{decode_step * 1e3:.1f} ms ({args.decode_tokens} tokens greedy)"),
+        (f"decode, {args.streams} streams", f"{batch_tps:.1f} tok/s aggregate, {1e3 * args.streams / batch_tps:.1f} "
+                                            f"ms a step, fastest {batch_step * 1e3:.1f} ms"),
         ("memory bandwidth", f"{gemv_bw / 1e9:.1f} GB/s BLAS matrix-vector read "
                              f"(NumPy copy: {copy_bw / 1e9:.1f} GB/s read + write)"),
         ("weights read per token", f"{loaded.bytes_per_token / 1e6:.0f} MB"),
@@ -210,6 +219,8 @@ def bench_model(args: argparse.Namespace, bandwidth: tuple[float, float], first:
         line |= best
     if args.grammar:
         rows += grammar_rows(engine, args)
+    if args.speculate:
+        rows += speculate_rows(engine, args)
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         print(f"{label:<{width}}  {value}")
@@ -337,6 +348,118 @@ def mlx_rows(engine: MLXEngine, prompt: list[int], decode_prompt: list[int], arg
         rows += [(f"ready, cold ({args.kquant.name})", f"{cold:.2f} s ({cold_from})"),
                  ("ready, warm (weight cache)", f"{warm:.2f} s ({warm_from})")]
     return rows, summary
+
+
+# -- speculation: prompt lookup against plain decoding, through the real scheduler --------------
+
+SPEC_CODE = '''import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Item:
+    name: str
+    price: float
+    quantity: int = 1
+
+    def total(self) -> float:
+        return self.price * self.quantity
+
+
+@dataclass
+class Cart:
+    items: list[Item] = field(default_factory=list)
+
+    def add(self, name: str, price: float, quantity: int = 1) -> None:
+        for item in self.items:
+            if item.name == name:
+                item.quantity += quantity
+                return
+        self.items.append(Item(name, price, quantity))
+
+    def remove(self, name: str) -> None:
+        self.items = [item for item in self.items if item.name != name]
+
+    def total(self) -> float:
+        return sum(item.total() for item in self.items)
+
+    def save(self, path: Path) -> None:
+        data = [{"name": i.name, "price": i.price, "quantity": i.quantity} for i in self.items]
+        path.write_text(json.dumps(data, indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> "Cart":
+        cart = cls()
+        for entry in json.loads(path.read_text()):
+            cart.add(entry["name"], entry["price"], entry["quantity"])
+        return cart
+'''
+SPEC_EDIT = f"```python\n{SPEC_CODE}```\n\nRewrite this file with `remove` renamed to `discard`. Output the complete file."
+SPEC_STORIES = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
+                "Write a short story about a girl who builds a robot out of old bicycle parts.",
+                "Write a short story about a chef who loses his sense of taste.",
+                "Write a short story about a fox who befriends a lonely farmer."]
+# (name, prompts decoded together, tokens per reply)
+SPEC_CASES = [("edit (~300-token file)", [SPEC_EDIT], 320), ("story", SPEC_STORIES[:1], 128),
+              (f"story, {len(SPEC_STORIES)} streams", SPEC_STORIES, 64)]
+
+
+def speculate_rows(engine: Engine, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Greedy replies through the runtime and scheduler with `--speculate off` and `ngram`,
+    interleaved, best of `--rounds`: decode tok/s from each reply's first text to its end (its
+    prefill excluded), and whether both modes wrote the same text."""
+    import asyncio
+
+    from lmserve.core.events import Finished, TextDelta
+    from lmserve.core.types import ChatRequest, Message, SamplingParams
+    from lmserve.model.loader import load_model
+    from lmserve.runtime import Runtime, ServerOptions
+    from lmserve.serving.handle import SpeculationUsage as Usage
+
+    model = load_model(args.model or default_model_path())
+    greedy = SamplingParams(temperature=0, given=frozenset({"temperature"}))
+
+    async def reply(runtime: Runtime, prompt: str, tokens: int) -> tuple[float, int, str, Usage]:
+        handle = runtime.start_chat(ChatRequest([Message("user", prompt)], greedy, tokens))
+        first, text, usage = None, [], None
+        async for event in handle.events():
+            if isinstance(event, TextDelta):
+                first = first or time.perf_counter()
+                text.append(event.text)
+            elif isinstance(event, Finished):
+                usage = event.usage
+        assert first is not None and usage is not None
+        return time.perf_counter() - first, usage.completion_tokens - 1, "".join(text), usage
+
+    def run(mode: str, prompts: list[str], tokens: int) -> tuple[float, list[str], list[Usage]]:
+        runtime = Runtime(model, engine, ServerOptions(ctx=2048, kv_slots=len(prompts), max_batch=len(prompts),
+                                                        speculate=mode))
+        runtime.scheduler.start()  # not runtime.start(): its warm-up thread would compete with the decode timed
+
+        async def together() -> list[tuple[float, int, str, Usage]]:
+            return await asyncio.gather(*(reply(runtime, p, tokens) for p in prompts))
+
+        try:
+            replies = asyncio.run(together())
+        finally:
+            runtime.stop()
+        seconds, tokens, texts, usages = zip(*replies, strict=True)
+        return sum(tokens) / max(seconds), list(texts), list(usages)
+
+    rows = []
+    for name, prompts, tokens in SPEC_CASES:
+        best = {"off": 0.0, "ngram": 0.0}
+        texts, usages = {}, []
+        for _ in range(args.rounds):
+            for mode in best:
+                tps, texts[mode], usages = run(mode, prompts, tokens)
+                best[mode] = max(best[mode], tps)
+        drafted, accepted = sum(u.drafted for u in usages), sum(u.accepted for u in usages)
+        rows.append((f"speculate: {name}", f"{best['ngram']:.1f} tok/s with ngram, {best['off']:.1f} off: "
+                                           f"ratio {best['ngram'] / best['off']:.2f} ({accepted} of {drafted} drafted "
+                                           f"accepted; same text: {texts['off'] == texts['ngram']})"))
+    return rows
 
 
 if __name__ == "__main__":

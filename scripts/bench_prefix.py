@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.server_util import start_server  # noqa: E402
+from tests.server_util import chat_chunks, start_server  # noqa: E402
 
 RULES = ("Rule {i}: when a customer asks about item {i}, check aisle {a}, confirm the price, mention the "
          "warranty, and offer help with installation or returns if they need it. ")
@@ -38,16 +37,12 @@ def ttft(base_url: str, messages: list[dict]) -> tuple[float, str, dict]:
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first, text, usage = None, "", {}
-    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=900) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                first = first or time.perf_counter()
-                text += chunk["choices"][0]["delta"]["content"]
+    for chunk in chat_chunks(base_url, body, timeout=900):
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+            first = first or time.perf_counter()
+            text += chunk["choices"][0]["delta"]["content"]
     return (first or time.perf_counter()) - start, text, usage
 
 

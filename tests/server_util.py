@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,28 +57,46 @@ def start_server(*args: str, env: dict[str, str] | None = None, timeout: float =
     )
     server = Server(f"http://127.0.0.1:{port}", proc, log.name)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
-            try:
-                if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not become healthy:\n{server.log()}")
-            time.sleep(0.1)
+        wait_until_healthy(proc, server.base_url, timeout, server.log)
         yield server
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
         os.unlink(log.name)
+
+
+def wait_until_healthy(proc: subprocess.Popen, base_url: str, timeout: float, log: Callable[[], str]) -> None:
+    """Until `GET /health` answers 200 (lmserve's and llama-server's alike); RuntimeError with the
+    process's `log()` when it exits first or the timeout passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server did not become healthy:\n{log()}")
+        time.sleep(0.1)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 10 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def chat_chunks(base_url: str, body: dict, timeout: float = 600) -> Iterator[dict]:
+    """The JSON chunks of one streaming `/v1/chat/completions` reply, as they arrive."""
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=timeout) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                yield json.loads(line[6:])
 
 
 def health(server: Server) -> dict:

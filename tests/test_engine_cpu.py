@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmserve.engine_cpu import CacheFullError, CPUEngine
+from lmserve.engine_cpu import CacheFullError, CPUEngine, ops
 from lmserve.engine_cpu import engine as engine_module
 from lmserve.engine_cpu.cache import GROW_STEP
 from lmserve.model.config import ModelConfig
@@ -90,7 +90,7 @@ def test_smollm2_greedy_decode_matches_goldens(smollm2: CPUEngine, chat_goldens:
 
 # -- batching and cache operations -----------------------------------------------------------
 
-@pytest.mark.parametrize("batch", [3, 5])  # 3 rows: one matrix-vector product each; 5: one GEMM
+@pytest.mark.parametrize("batch", [3, ops.GEMV_ROWS + 1])  # 3 rows: blocked matrix-vector products; 8: one GEMM
 def test_batched_decode_equals_solo(smollm2: CPUEngine, chat_goldens: list[dict], batch: int) -> None:
     prompts = [case["prompt_ids"][:20 + 7 * i] for i, case in enumerate(chat_goldens[:batch])]
     batched = [smollm2.new_cache(128) for _ in prompts]
@@ -106,6 +106,22 @@ def test_batched_decode_equals_solo(smollm2: CPUEngine, chat_goldens: list[dict]
             np.testing.assert_allclose(step[i], logits, rtol=1e-4, atol=1e-3)
             token = int(step[i].argmax())
         assert solo.length == batched[i].length == len(prompt) + 2
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (100, 37), (1000, 64)])
+@pytest.mark.parametrize("block_bytes", [1 << 30, 4096, 10_000])  # one block; many, the last ragged
+def test_linear_in_blocks_matches_one_product(shape: tuple[int, int], block_bytes: int,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ops, "BLOCK_BYTES", block_bytes)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(shape, dtype=np.float32)
+    for n in range(1, ops.GEMV_ROWS + 3):
+        x = rng.standard_normal((n, shape[1]), dtype=np.float32)
+        got = ops.linear(x, w)
+        assert got.shape == (n, shape[0]) and got.dtype == np.float32
+        np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4)
+        if n <= ops.GEMV_ROWS:  # each row as the one-row product, up to rounding
+            np.testing.assert_allclose(got, np.stack([w @ row for row in x]), rtol=1e-6, atol=1e-5)
 
 
 def test_truncate_copy_and_save_give_fresh_prefill_logits(smollm2: CPUEngine, chat_goldens: list[dict],

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmserve.engine.protocol import Engine, check_token_ids
+from lmserve.engine.protocol import Engine, check_token_ids, verify_rows
 from lmserve.engine_cpu import ops
 from lmserve.engine_cpu.cache import CPUCache
 from lmserve.engine_cpu.weights import ExpertWeights, load_weights
@@ -96,6 +96,21 @@ class CPUEngine(Engine[CPUCache]):
     def decode_argmax(self, caches: Sequence[CPUCache], token_ids: Sequence[int]) -> np.ndarray:
         return self.decode(caches, token_ids).argmax(-1).astype(np.int64)
 
+    def verify(self, caches: Sequence[CPUCache], token_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """One pass over the weights for all lists: each is padded to the longest with its own
+        last token (causal attention keeps the real rows blind to it), and the padding is
+        truncated away again."""
+        own = [_own(c) for c in caches]
+        lengths, ids = verify_rows(own, token_ids, self.config.vocab_size)
+        width = ids.shape[1]
+        for c in own:
+            c.reserve(c.length + width)
+        h = self._forward(ids.reshape(-1), own)
+        for c, n in zip(own, lengths, strict=True):
+            c.truncate(c.length - (width - n))
+        real = np.concatenate([np.arange(i * width, i * width + n) for i, n in enumerate(lengths)])
+        return np.split(self._logits(h[real]), np.cumsum(lengths)[:-1])
+
     def _forward(self, ids: np.ndarray, caches: list[CPUCache]) -> np.ndarray:
         """Run rows `ids` through every layer and return the last hidden states `[n, hidden]`.
         One cache extends by all rows (prefill), or each of several by one row (decode);
@@ -134,7 +149,7 @@ class CPUEngine(Engine[CPUCache]):
                 out += layer.o_bias
             if layer.post_attn_norm is not None:
                 out = ops.rms_norm(out, layer.post_attn_norm, cfg.rms_eps)
-            h = h + out
+            h += out  # h is this pass's own array (the embedding rows were copied out)
             x = ops.rms_norm(h, layer.ffn_norm, cfg.rms_eps)
             if layer.experts is not None:
                 out = self._moe(x, layer.experts)
@@ -142,7 +157,7 @@ class CPUEngine(Engine[CPUCache]):
                 out = ops.linear(self._activation(ops.linear(x, layer.gate_up)), layer.down)
             if layer.post_ffn_norm is not None:
                 out = ops.rms_norm(out, layer.post_ffn_norm, cfg.rms_eps)
-            h = h + out
+            h += out
         for c in caches:
             c.length += per_cache
         return h
