@@ -82,7 +82,8 @@ class Runtime:
 
     def start(self) -> None:
         self.scheduler.start()
-        threading.Thread(target=self._warm_up, name="lmserve-warm-up", daemon=True).start()
+        self._warming = threading.Thread(target=self._warm_up, name="lmserve-warm-up", daemon=True)
+        self._warming.start()
 
     def _warm_up(self) -> None:
         self.replies.warm_up()
@@ -90,6 +91,9 @@ class Runtime:
 
     def stop(self) -> None:
         self.scheduler.stop()
+        # A process that exits while the warm-up thread is inside a native import (mlx, on a fresh
+        # install still compiling bytecode) aborts with SIGABRT instead of exiting 0.
+        self._warming.join(timeout=60)
 
     def model_info(self) -> dict[str, Any]:
         """What /health and /v1/models say about the served model."""
