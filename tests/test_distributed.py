@@ -15,7 +15,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -24,7 +23,7 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from tests.server_util import REPO, free_port, start_server  # noqa: E402
+from tests.server_util import REPO, Server, free_port, start_server  # noqa: E402
 
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 if not mx.distributed.is_available() or not LAUNCH.exists():
@@ -38,15 +37,8 @@ QWEN2 = FIXTURES / "qwen2" / "tiny-qwen2-F16.gguf"
 GONE = "of the distributed group stops: a rank is gone"
 
 
-@dataclass
-class Group:
-    base_url: str
-    process: subprocess.Popen
-    log_path: str
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
+class Group(Server):
+    """A server started under mlx.launch: `process` is the launcher, the ranks its children."""
 
     def rank_pid(self, rank: int) -> int:
         """The pid of rank `rank`'s lmserve process (mlx.launch starts it under a shell)."""
