@@ -190,7 +190,7 @@ def banner(runtime, context_reason: str, ready_s: float) -> str:
     if hasattr(engine, "ranks"):  # --distributed: each rank's share of the weights, and its free memory
         shares = ", ".join(f"rank {r} {human_bytes(w)} ({human_bytes(a)} free)" for r, (w, a) in enumerate(engine.ranks))
         rows.insert(rows.index(("weights", human_bytes(engine.weight_bytes))) + 1,
-                    ("distributed", f"{len(engine.ranks)} ranks, tensor parallel; weights {shares}"))
+                    ("distributed", f"{len(engine.ranks)} ranks, {engine.parallelism}; weights {shares}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"lmserve {__version__}"] + [f"  {k:<{width}}  {v}" for k, v in rows])
 
@@ -305,7 +305,7 @@ def serve(args: argparse.Namespace) -> None:
     speculate = check_speculation(args, engine.cheap_verify)
     draft_engine = load_draft(args.draft, model, engine.name) if speculate == "draft" else None
     context = ContextChoice(args.ctx, "--ctx") if args.ctx else default_context(
-        model.config.context_length, model.config.kv_bytes_per_token(engine.kv_dtype_bytes))
+        model.config.context_length, engine.kv_bytes_per_token())
     ctx = context.tokens
     options = ServerOptions(host=args.host, port=args.port, ctx=ctx, max_queue=args.queue,
                             max_batch=args.batch, api_key=args.api_key, kv_slots=args.kv_slots,
@@ -319,6 +319,8 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"lmserve: cannot use --kv-cache-dir {args.kv_cache_dir}: {exc}") from None
     if runtime.slot_budget.warning:
         logging.getLogger("lmserve.ram").warning("RAM guard: %s", runtime.slot_budget.warning)
+    if args.distributed:  # a lost rank ends the open requests with an in-band error
+        distributed.on_gone(runtime.scheduler.abandon)
     runtime.start()
     guard = GuardOptions(api_key=args.api_key, max_conns=args.conns,
                          max_body=args.max_body or default_max_body(ctx),

@@ -67,8 +67,7 @@ class Runtime:
             self.sampling_defaults = self.sampling_defaults.with_temperature(options.temperature)
         self.replies = ReplyPlanner(model.tokenizer, model.template)
         cfg = model.config
-        per_token = cfg.kv_bytes_per_token(engine.kv_dtype_bytes)
-        self.slot_budget = plan_slots(max(options.kv_slots, options.max_batch), per_token, options.ctx,
+        self.slot_budget = plan_slots(max(options.kv_slots, options.max_batch), engine.kv_bytes_per_token(), options.ctx,
                                       force=options.kv_slots_force)
         disk = None
         if options.kv_cache_dir is not None:

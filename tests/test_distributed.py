@@ -34,6 +34,8 @@ LLAMA = FIXTURES / "llama3" / "tiny-llama3-F16.gguf"
 QWEN3MOE = FIXTURES / "qwen3moe" / "tiny-qwen3moe-F16.gguf"
 GPT_OSS = FIXTURES / "gpt-oss" / "tiny-gpt-oss-F16.gguf"
 QWEN2 = FIXTURES / "qwen2" / "tiny-qwen2-F16.gguf"
+GEMMA3 = FIXTURES / "gemma3" / "tiny-gemma3-F16.gguf"
+PHI3_K = FIXTURES / "phi3" / "tiny-phi3-Q4_K_M.gguf"  # converted at load: each rank caches its own part
 GONE = "of the distributed group stops: a rank is gone"
 
 
@@ -50,15 +52,15 @@ class Group(Server):
 
 
 @contextlib.contextmanager
-def launch(model: Path, *args: str, ranks: int = 2, timeout: float = 120.0) -> Iterator[Group]:
-    """`mlx.launch -n RANKS --backend ring -- python -m lmserve.cli MODEL --distributed ARGS`, yielded
-    once rank 0's /health answers. Every rank gets the same flags: only rank 0 listens."""
+def launch(model: Path, *args: str, ranks: int = 2, mode: str = "tensor", timeout: float = 120.0) -> Iterator[Group]:
+    """`mlx.launch -n RANKS --backend ring -- python -m lmserve.cli MODEL --distributed MODE ARGS`,
+    yielded once rank 0's /health answers. Every rank gets the same flags: only rank 0 listens."""
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="lmserve-dist-", suffix=".log", delete=False)  # noqa: SIM115
     env = {**os.environ, "XDG_CACHE_HOME": tempfile.mkdtemp(prefix="lmserve-dist-cache-")}
     proc = subprocess.Popen(
         [str(LAUNCH), "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port()), "--",
-         sys.executable, "-m", "lmserve.cli", str(model), "--distributed", "--engine", "mlx",
+         sys.executable, "-m", "lmserve.cli", str(model), "--distributed", mode, "--engine", "mlx",
          "--port", str(port), *args],
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
     group = Group(f"http://127.0.0.1:{port}", proc, log.name)
@@ -107,33 +109,37 @@ def default_model() -> Path:
 
 
 # SmolLM2-135M's 9 heads and 3 KV heads split 3 ways, not 2: three ranks on two cores take minutes
-# (measured 143 s), so that case runs only when asked for.
-SMOLLM2_3 = pytest.param("smollm2", 3, id="smollm2-3-ranks", marks=pytest.mark.skipif(
+# (measured 143 s), so that case runs only when asked for. By layers, it splits across 2.
+SMOLLM2_3 = pytest.param("smollm2", 3, "tensor", id="smollm2-3-ranks", marks=pytest.mark.skipif(
     not os.environ.get("LMSERVE_TEST_SMOLLM2_3_RANKS"), reason="set LMSERVE_TEST_SMOLLM2_3_RANKS=1 to run (minutes)"))
+PARALLEL = {"tensor": "tensor parallel", "pipeline": "pipeline parallel"}
 
 
-@pytest.mark.parametrize(("model", "ranks"), [(LLAMA, 2), (QWEN3MOE, 2), SMOLLM2_3], ids=["llama3", "qwen3moe", None])
-def test_ranks_reply_as_one_process(model: Path | str, ranks: int) -> None:
+@pytest.mark.parametrize(("model", "ranks", "mode"), [
+    (LLAMA, 2, "tensor"), (QWEN3MOE, 2, "tensor"), (GEMMA3, 2, "pipeline"), ("smollm2", 2, "pipeline"), SMOLLM2_3,
+], ids=["llama3", "qwen3moe", "gemma3-pipeline", "smollm2-pipeline", None])
+def test_ranks_reply_as_one_process(model: Path | str, ranks: int, mode: str) -> None:
     path = default_model() if model == "smollm2" else model
     flags = ("--ctx", "512")
     with start_server(str(path), "--engine", "mlx", *flags,
                       env={"XDG_CACHE_HOME": tempfile.mkdtemp(prefix="lmserve-dist-cache-")}) as one:
         expected = conversation(one.base_url)
-    with launch(path, *flags, ranks=ranks) as group:
+    with launch(path, *flags, ranks=ranks, mode=mode) as group:
         got = conversation(group.base_url)
         os.kill(group.rank_pid(0), signal.SIGTERM)  # a stop: rank 0 tells the followers
         group.process.wait(20)
         banner = group.log()
     assert GONE not in banner and "exited with code" not in banner, banner  # mlx.launch names non-zero exits
-    assert f"distributed    {ranks} ranks, tensor parallel; weights rank 0" in banner
+    assert f"distributed    {ranks} ranks, {PARALLEL[mode]}" in banner
     assert banner.count("listening") == 1  # rank 1 opens no socket
     assert [r["choices"][0]["message"]["content"] for r in got] == \
         [r["choices"][0]["message"]["content"] for r in expected]
     assert got[2]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the first turn's prefix
 
 
-def test_killed_rank_ends_the_group_with_one_line() -> None:
-    with launch(LLAMA, "--ctx", "4096") as group:
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_killed_rank_ends_the_group_with_one_line(mode: str) -> None:
+    with launch(LLAMA, "--ctx", "4096", mode=mode) as group:
         body = {"messages": [{"role": "user", "content": "Tell a long story."}], "temperature": 0,
                 "max_tokens": 4000, "stream": True}
         with httpx.stream("POST", group.base_url + "/v1/chat/completions", json=body, timeout=30) as reply:
@@ -142,29 +148,33 @@ def test_killed_rank_ends_the_group_with_one_line() -> None:
                 next(line for line in lines if line.startswith("data:"))
             os.kill(group.rank_pid(1), signal.SIGKILL)
             killed = time.monotonic()
+            after = []
             with contextlib.suppress(httpx.HTTPError):
-                for _ in lines:
-                    pass
+                after.extend(lines)
         group.process.wait(30)
         took = time.monotonic() - killed
         log = group.log()
     assert GONE in log, log
     assert took < 20, log
+    errors = [json.loads(line[5:])["error"] for line in after if line.startswith("data: {\"error\"")]
+    assert errors and GONE in errors[0]["message"], (after[-3:], log)  # the stream's in-band error
+    assert [line for line in after if line][-1] == "data: [DONE]"
 
 
-@pytest.mark.parametrize(("model", "refusal"), [
-    (FIXTURES / "gemma3" / "tiny-gemma3-F16.gguf", "mlx-lm's gemma3 model has no tensor-parallel shard()"),
-    ("smollm2", "this model's attention heads 9, KV heads 3 cannot be split evenly across 2 ranks"),
-], ids=["gemma3", "smollm2"])
-def test_refuses_what_cannot_be_split(model: Path | str, refusal: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("model", "ranks", "mode", "refusal"), [
+    (GEMMA3, 2, "tensor", "mlx-lm's gemma3 model has no tensor-parallel shard(); --distributed pipeline splits it"),
+    ("smollm2", 2, "tensor", "this model's attention heads 9, KV heads 3 cannot be split evenly across 2 ranks"),
+    (LLAMA, 3, "pipeline", "this model's 2 layers cannot be split across 3 ranks"),
+], ids=["gemma3", "smollm2", "llama3-3-ranks"])
+def test_refuses_what_cannot_be_split(model: Path | str, ranks: int, mode: str, refusal: str, tmp_path: Path) -> None:
     """Every rank refuses before loading weights (mlx.launch itself exits 0 all the same)."""
     path = default_model() if model == "smollm2" else model
     proc = subprocess.run(
-        [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
-         sys.executable, "-m", "lmserve.cli", str(path), "--distributed", "--port", str(free_port())],
+        [str(LAUNCH), "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port()), "--",
+         sys.executable, "-m", "lmserve.cli", str(path), "--distributed", mode, "--port", str(free_port())],
         capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
     out = proc.stdout + proc.stderr
-    assert out.count(refusal) == 2, out  # one line per rank
+    assert out.count(refusal) == ranks, out  # one line per rank
     assert "listening" not in out
 
 
@@ -176,7 +186,7 @@ from lmserve.engine_mlx import MLXEngine, distributed
 from lmserve.model.loader import load_model
 
 model = load_model(Path(sys.argv[1]))
-engine = distributed.load(model.gguf, model.config, "tensor")
+engine = distributed.load(model.gguf, model.config, sys.argv[3])
 if engine is None:  # a follower: rank 0 said STOP
     sys.exit(0)
 one = MLXEngine(model.gguf, model.config)
@@ -221,15 +231,18 @@ Path(sys.argv[2], "result.json").write_text(json.dumps(out))
 '''
 
 
-@pytest.mark.parametrize("model", [LLAMA, QWEN3MOE, GPT_OSS, QWEN2], ids=["llama3", "qwen3moe", "gpt-oss", "qwen2"])
-def test_lockstep_calls_match_one_engine(model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("model", "mode"), [
+    (LLAMA, "tensor"), (QWEN3MOE, "tensor"), (GPT_OSS, "tensor"), (QWEN2, "tensor"),
+    (GEMMA3, "pipeline"), (PHI3_K, "pipeline"), (GPT_OSS, "pipeline"),
+], ids=["llama3", "qwen3moe", "gpt-oss", "qwen2", "gemma3-pipeline", "phi3-q4k-pipeline", "gpt-oss-pipeline"])
+def test_lockstep_calls_match_one_engine(model: Path, mode: str, tmp_path: Path) -> None:
     """Every engine call through LockstepEngine (batched decode, verify, truncate, copy_prefix, a
     refused call, save/load, a freed cache) gives one engine's logits, with half the weights."""
     script = tmp_path / "lockstep.py"
     script.write_text(LOCKSTEP_SCRIPT)
     proc = subprocess.run(
         [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
-         sys.executable, str(script), str(model), str(tmp_path)],
+         sys.executable, str(script), str(model), str(tmp_path), mode],
         capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
     result = tmp_path / "result.json"
     assert result.exists(), proc.stdout + proc.stderr
@@ -240,3 +253,14 @@ def test_lockstep_calls_match_one_engine(model: Path, tmp_path: Path) -> None:
     assert {"a.kv", "a.kv.rank1", "one.kv"} <= set(out["rank_files"])  # each rank saves its own share
     sharded, whole = out["weights"]
     assert sharded < whole
+    if model == PHI3_K:  # each rank converted and cached only its own layers, apart from the whole file
+        cached = [p.name.split(".")[1] for p in (tmp_path / "lmserve" / "mlx").iterdir()]
+        assert {"layers0-0", "layers1-1"} <= set(cached) and len(cached) == 3, cached
+
+
+def test_pipeline_runs_split_layers_evenly() -> None:
+    """SmolLM2's 30 layers over 4 ranks: contiguous runs, the first ranks one longer."""
+    from lmserve.engine_mlx.pipeline import runs
+
+    assert runs(30, 4) == [range(0, 8), range(8, 16), range(16, 23), range(23, 30)]
+    assert runs(2, 2) == [range(0, 1), range(1, 2)]

@@ -7,6 +7,7 @@ cache type: `Engine[C]` takes and returns only its own `C` (a cache of another e
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, TypeVar, runtime_checkable
@@ -49,6 +50,9 @@ class Engine(Protocol[C]):
     device: str  # human-readable device, e.g. "numpy (2 threads)" or "gpu (Metal)"
     weight_bytes: int  # bytes the resident weights take
     kv_dtype_bytes: int  # bytes per cached key or value element (the RAM guard prices slots with it)
+    # The part of each cached position this process holds: 1, or a distributed rank's (its KV
+    # heads, or its layers; the largest rank's).
+    kv_share: float = 1.0
     quant_summary: str  # how weights were converted at load, for the banner; "" when none were
     # True when `decode_argmax` saves work over `decode` + a host argmax (it runs on the device and
     # copies only ids back): the scheduler then uses it for batches that need no host logits.
@@ -57,6 +61,10 @@ class Engine(Protocol[C]):
     # matrix products); False where every row costs a full step (MLX's CPU backend), and prompt
     # lookup is then off unless asked for.
     cheap_verify: bool = True
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one cached position costs this process (what the RAM guard prices)."""
+        return math.ceil(self.config.kv_bytes_per_token(self.kv_dtype_bytes) * self.kv_share)
 
     def new_cache(self, max_tokens: int) -> C:
         """An empty cache for up to `max_tokens` positions (memory is allocated as it fills)."""

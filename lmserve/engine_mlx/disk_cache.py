@@ -30,10 +30,13 @@ def default_cache_dir() -> Path:
     return Path(base) / "lmserve"
 
 
-def cache_path(gguf: GGUFFile, dtype: mx.Dtype, cache_dir: Path) -> Path:
+def cache_path(gguf: GGUFFile, dtype: mx.Dtype, cache_dir: Path, part: str = "") -> Path:
+    """Where the file's converted weights go; `part` names a subset (a pipeline rank's layers),
+    cached apart from the whole file's."""
     stat = gguf.path.stat()
-    key = f"{FORMAT}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{gguf.header_digest()}"
-    return cache_dir / "mlx" / f"{gguf.path.stem}.{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+    key = f"{FORMAT}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{gguf.header_digest()}" + (f"|{part}" if part else "")
+    stem = f"{gguf.path.stem}.{part}" if part else gguf.path.stem
+    return cache_dir / "mlx" / f"{stem}.{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
 
 
 def load(path: Path) -> tuple[dict[str, mx.array], dict[str, Choice]] | None:

@@ -1,8 +1,9 @@
-"""`--distributed`: one model sharded across the ranks `mlx.launch` starts (tensor parallel).
+"""`--distributed`: one model sharded across the ranks `mlx.launch` starts.
 
-Every rank reads the GGUF and keeps only its share (mlx-lm's `Model.shard(group)`: attention heads
-and FFN columns split, embeddings and norms replicated; the sharded layers' `all_sum` is MLX's
-ring backend, no transport of ours). Rank 0 serves HTTP, the scheduler and the KV slot pool over a
+Every rank reads the GGUF and keeps only its share: tensor parallel, mlx-lm's `Model.shard(group)`
+(attention heads and FFN columns split, embeddings and norms replicated; the sharded layers'
+`all_sum` is MLX's ring backend, no transport of ours), or pipeline parallel, a run of whole
+layers per rank (pipeline.py). Rank 0 serves HTTP, the scheduler and the KV slot pool over a
 `LockstepEngine`: before each engine call it broadcasts a small command (op code, cache handles and
 token ids as int32) to the other ranks, whose `follow` loop makes the same call on its own engine,
 caches kept by handle. Every rank thus runs the same collectives in the same order.
@@ -33,15 +34,17 @@ from pathlib import Path
 from typing import TypeVar
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import psutil
 
 from lmserve.engine.protocol import Engine
+from lmserve.engine_mlx import pipeline
 from lmserve.engine_mlx.engine import MLXEngine, Progress
 from lmserve.engine_mlx.kv import MLXKVCache
 from lmserve.engine_mlx.model import FAMILIES
 from lmserve.model.config import ModelConfig
-from lmserve.model.gguf_file import GGUFFile, ModelLoadError
+from lmserve.model.gguf_file import GGUFFile, ModelLoadError, TensorInfo
 
 T = TypeVar("T")
 HEARTBEAT_S = 1.0  # an idle rank 0 sends a no-op this often
@@ -52,6 +55,7 @@ STEP_S = 10.0
 SLACK = 4.0
 FIRST_PACE_S = 1.0
 STOP_S = 1.0  # after a stop signal, a call waiting longer on the other ranks is a lost rank
+FAREWELL_S = 0.5  # what the server has to send in-band errors on its open streams before exiting
 
 
 class Op(enum.IntEnum):
@@ -92,18 +96,22 @@ def check_args(args: argparse.Namespace) -> int:
 
 def check_shardable(config: ModelConfig, mode: str, world: int) -> None:
     """Refuse (on every rank alike) what cannot be split `world` ways, before any weight loads."""
-    if mode != "tensor":
-        raise ModelLoadError(f"--distributed {mode} is not implemented; use --distributed tensor")
     if config.architecture not in FAMILIES:
         raise ModelLoadError(f"the MLX engine does not support architecture '{config.architecture}'")
+    if mode == "pipeline":
+        if config.n_layers < world:
+            raise ModelLoadError(f"this model's {config.n_layers} layers cannot be split across {world} ranks")
+        return
     if config.architecture not in shardable():
         raise ModelLoadError(f"mlx-lm's {config.architecture} model has no tensor-parallel shard(); "
-                             f"it cannot be split across ranks (families that can: {', '.join(shardable())})")
+                             f"--distributed pipeline splits it by layers "
+                             f"(families tensor parallelism can split: {', '.join(shardable())})")
     sizes = {"attention heads": config.n_heads, "KV heads": config.n_kv_heads, "FFN size": config.ffn_size,
              "expert FFN size": config.expert_ffn_size if config.is_moe else 0}
     uneven = [f"{name} {n}" for name, n in sizes.items() if n % world]
     if uneven:
-        raise ModelLoadError(f"this model's {', '.join(uneven)} cannot be split evenly across {world} ranks")
+        raise ModelLoadError(f"this model's {', '.join(uneven)} cannot be split evenly across {world} ranks "
+                             "(--distributed pipeline splits it by layers)")
 
 
 def shardable() -> list[str]:
@@ -112,17 +120,40 @@ def shardable() -> list[str]:
 
 
 class ShardedMLXEngine(MLXEngine):
-    """An MLX engine holding its rank's share of the weights; every step is a collective."""
+    """An MLX engine holding its rank's share of the weights; every step is a collective.
+    `mode` "tensor": a share of every layer (mlx-lm's `shard`); "pipeline": a run of whole layers
+    (pipeline.py)."""
 
     queue_next_step = False  # no greedy step left in flight between two lockstep calls
 
-    def __init__(self, gguf: GGUFFile, config: ModelConfig, group: mx.distributed.Group,
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, group: mx.distributed.Group, mode: str = "tensor",
                  progress: Progress | None = None) -> None:
         self.group = group
+        self.layer_split = pipeline.LayerSplit(config.n_layers, group) if mode == "pipeline" else None
+        if self.layer_split is None:
+            self.parallelism, self.kv_share = "tensor parallel", 1 / group.size()
+        else:
+            self.parallelism = f"pipeline parallel ({self.layer_split.describe()})"
+            self.kv_share = self.layer_split.kv_share
         super().__init__(gguf, config, progress)
 
+    def _build_model(self, config: ModelConfig, gguf: GGUFFile) -> nn.Module:
+        model = super()._build_model(config, gguf)
+        if self.layer_split is not None:
+            self.layer_split.prune(model)
+        return model
+
+    def _tensors(self, gguf: GGUFFile) -> tuple[dict[str, TensorInfo], str]:
+        if self.layer_split is None:
+            return super()._tensors(gguf)
+        held = self.layer_split.held
+        return self.layer_split.tensors(gguf.tensors), f"layers{held.start}-{held.stop - 1}"
+
     def _shard(self) -> None:
-        self.model.shard(self.group)
+        if self.layer_split is None:
+            self.model.shard(self.group)
+        else:
+            self.layer_split.connect(self.model)
 
 
 def broadcast(group: mx.distributed.Group, words: Sequence[int] | None) -> list[int]:
@@ -154,10 +185,23 @@ def rank_path(path: Path, rank: int) -> Path:
     return Path(path) if rank == 0 else Path(f"{path}.rank{rank}")
 
 
+_farewells: list[Callable[[str], None]] = []
+
+
+def on_gone(farewell: Callable[[str], None]) -> None:
+    """Have `farewell(message)` run when the group breaks, before the process ends (rank 0's
+    scheduler ends its requests with the message as their in-band error)."""
+    _farewells.append(farewell)
+
+
 def gone(exc: BaseException | str) -> None:
-    """The group is broken: one clear line, and this process ends at once (no hang)."""
-    print(f"lmserve: rank {init_group().rank()} of the distributed group stops: a rank is gone ({exc})",
-          file=sys.stderr, flush=True)
+    """The group is broken: one clear line, the farewells, and this process ends (no hang)."""
+    line = f"rank {init_group().rank()} of the distributed group stops: a rank is gone ({exc})"
+    print(f"lmserve: {line}", file=sys.stderr, flush=True)
+    if _farewells:
+        for farewell in _farewells:
+            farewell(line)
+        time.sleep(FAREWELL_S)
     os._exit(1)
 
 
@@ -226,7 +270,9 @@ class LockstepEngine(Engine[MLXKVCache]):
         self.world = self.group.size()
         self.config = inner.config
         self.name = inner.name
-        self.device = f"{inner.device}, tensor parallel over {self.world} ranks"
+        self.parallelism = inner.parallelism
+        self.device = f"{inner.device}, {inner.parallelism} over {self.world} ranks"
+        self.kv_share = inner.kv_share
         self.weight_bytes = inner.weight_bytes
         self.kv_dtype_bytes = inner.kv_dtype_bytes
         self.quant_summary = inner.quant_summary
@@ -415,7 +461,7 @@ def load(gguf: GGUFFile, config: ModelConfig, mode: str, progress: Progress | No
     commands here until the group stops and gets None (it must then exit, never binding HTTP)."""
     group = init_group()
     check_shardable(config, mode, group.size())
-    engine = ShardedMLXEngine(gguf, config, group, progress if group.rank() == 0 else None)
+    engine = ShardedMLXEngine(gguf, config, group, mode, progress if group.rank() == 0 else None)
     memory = gather_memory(group, engine.weight_bytes)
     if group.rank() != 0:
         follow(engine)
@@ -424,8 +470,8 @@ def load(gguf: GGUFFile, config: ModelConfig, mode: str, progress: Progress | No
     if short:  # the RAM guard runs on rank 0, with rank 0's memory
         logging.getLogger("lmserve.ram").warning(
             "RAM guard: rank(s) %s have less memory free than rank 0 (%s); KV slots are sized on rank 0's, "
-            "each rank holding 1/%d of every slot", ", ".join(map(str, short)),
-            ", ".join(f"rank {r}: {free / 2**30:.1f} GiB" for r, (_, free) in enumerate(memory)), len(memory))
+            "each rank holding its share of every slot", ", ".join(map(str, short)),
+            ", ".join(f"rank {r}: {free / 2**30:.1f} GiB" for r, (_, free) in enumerate(memory)))
     lockstep = LockstepEngine(engine, memory)
     atexit.register(lockstep.close)
     return lockstep

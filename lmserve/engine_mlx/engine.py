@@ -33,7 +33,7 @@ from lmserve.engine_mlx.kv import Batch, MLXKVCache
 from lmserve.engine_mlx.model import adjust_weights, build_model, gguf_names
 from lmserve.engine_mlx.weights import Choice, convert, reads_natively, summarize
 from lmserve.model.config import ModelConfig
-from lmserve.model.gguf_file import GGUFFile
+from lmserve.model.gguf_file import GGUFFile, TensorInfo
 
 PREFILL_CHUNK = 2048  # positions per forward pass during prefill (mlx-lm's default step)
 KV_FORMAT = "lmserve-mlx-kv-2"  # an mlx-lm prompt-cache file with our metadata
@@ -90,7 +90,7 @@ class MLXEngine(Engine[MLXKVCache]):
         self.kv_dtype_bytes = self.dtype.size  # keys and values are cached in the compute dtype
         self.stream = mx.new_thread_local_stream(mx.default_device())  # all of this engine's work
         with mx.stream(self.stream):
-            self.model = build_model(config, gguf)
+            self.model = self._build_model(config, gguf)
             arrays, choices, self.weights_from = self._arrays(gguf, progress, cache_dir)
             quant = {name.rsplit(".", 1)[0]: {"group_size": c.group_size, "bits": c.bits, "mode": c.mode}
                      for name, c in choices.items() if c.bits is not None}
@@ -105,6 +105,15 @@ class MLXEngine(Engine[MLXKVCache]):
         self._speculation: _Speculation | None = None
         self._geometry = f"{config.n_layers}x{config.n_kv_heads}x{config.head_dim}:{self.dtype}"
 
+    def _build_model(self, config: ModelConfig, gguf: GGUFFile) -> nn.Module:
+        """The network, before its weights load (a pipeline rank drops the others' layers)."""
+        return build_model(config, gguf)
+
+    def _tensors(self, gguf: GGUFFile) -> tuple[dict[str, TensorInfo], str]:
+        """The file's tensors this engine loads, and what names that part of the file in the
+        weight cache ("" for all; a pipeline rank loads only its layers')."""
+        return gguf.tensors, ""
+
     def _shard(self) -> None:
         """Called after the weights load, before they are evaluated: a distributed engine keeps
         only its rank's share here (distributed.py); one device keeps them all."""
@@ -113,10 +122,11 @@ class MLXEngine(Engine[MLXKVCache]):
                 cache_dir: Path | None) -> tuple[dict[str, mx.array], dict[str, Choice], str]:
         """Native files load straight from the GGUF, tensor by tensor; others from the disk cache,
         else converted (and cached)."""
-        names = gguf_names(self.model, self.config, gguf.tensors)
+        tensors, part = self._tensors(gguf)
+        names = gguf_names(self.model, self.config, tensors)
         if reads_natively(gguf, list(names.values())):
             return *convert(gguf, names, self.dtype, progress), f"{gguf.path.name} (native)"
-        path = disk_cache.cache_path(gguf, self.dtype, Path(cache_dir or disk_cache.default_cache_dir()))
+        path = disk_cache.cache_path(gguf, self.dtype, Path(cache_dir or disk_cache.default_cache_dir()), part)
         cached = disk_cache.load(path)
         if cached is not None:
             return *cached, f"cache {path}"

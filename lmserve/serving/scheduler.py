@@ -119,6 +119,18 @@ class Scheduler:
     def stopping(self) -> bool:
         return self._stopping
 
+    def abandon(self, message: str) -> None:
+        """The engine cannot go on (a rank of a distributed group is gone): every queued and
+        running job ends now, `message` its in-band error. Safe from any thread, even while the
+        worker is stuck inside an engine call that will never return."""
+        with self._cv:
+            self._stopping = True
+            jobs = [*self._queue, *(seq.job for seq in [*self._prefilling, *self._active])]
+            self._queue.clear()
+            self._cv.notify_all()
+        for job in jobs:
+            job.emit(Failed(message))
+
     def submit(self, job: GenerationJob) -> None:
         with self._cv:
             if self._stopping:
