@@ -3,8 +3,8 @@ tensor parallel and pipeline parallel.
 
 Prompt and decode tokens/s (greedy `decode_argmax`, as the scheduler runs it) through the same
 lockstep engine rank 0 serves with, and per rank: the weights it holds, its resident memory once
-loaded and its peak (the peak includes loading: a tensor-parallel rank reads the whole file before
-keeping its share, a pipeline rank only its layers). The figure that must hold is the per-rank
+loaded and its peak (the peak includes loading: a tensor-parallel rank holds its share and one
+whole layer at a time, a pipeline rank reads only its layers). The figure that must hold is the per-rank
 weight share, about 1/ranks of one rank's.
 
 By default the model is a random-weight Qwen3 written for the run (8 layers, hidden 1024, 16 heads,

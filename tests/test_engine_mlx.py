@@ -189,8 +189,10 @@ def test_disk_cache_cold_then_warm(tmp_path):
     assert "converted" in cold.weights_from
     assert calls and calls[-1][0] == calls[-1][1]
     assert "4-bit g32 (exact)" in cold.quant_summary and "Q6_K -> 8-bit" in cold.quant_summary
-    entries = list((weights / "mlx").glob("*.safetensors"))
-    assert len(entries) == 1
+    entries = list((weights / "mlx").iterdir())
+    assert len(entries) == 1  # one folder: the part outside the layers, then one file per layer
+    assert sorted(p.name for p in entries[0].iterdir()) == [
+        "base.safetensors", *(f"layer-{i}.safetensors" for i in range(cold.config.n_layers))]
     warm = MLXEngine(*open_model(model), cache_dir=weights)
     assert warm.weights_from.startswith("cache")
     assert warm.quant_summary == cold.quant_summary
@@ -200,8 +202,8 @@ def test_disk_cache_cold_then_warm(tmp_path):
     os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the file changed: convert again
     again = MLXEngine(*open_model(model), cache_dir=weights)
     assert "converted" in again.weights_from
-    assert [p.name for p in (weights / "mlx").glob("*.safetensors")] != [e.name for e in entries]
-    assert len(list((weights / "mlx").glob("*.safetensors"))) == 1
+    assert [p.name for p in (weights / "mlx").iterdir()] != [e.name for e in entries]
+    assert len(list((weights / "mlx").iterdir())) == 1  # the stale folder went
 
 
 # -- KV caches ------------------------------------------------------------------------------

@@ -143,16 +143,24 @@ class ShardedMLXEngine(MLXEngine):
             self.layer_split.prune(model)
         return model
 
-    def _tensors(self, gguf: GGUFFile) -> tuple[dict[str, TensorInfo], str]:
-        if self.layer_split is None:
-            return super()._tensors(gguf)
-        held = self.layer_split.held
-        return self.layer_split.tensors(gguf.tensors), f"layers{held.start}-{held.stop - 1}"
+    def _tensors(self, gguf: GGUFFile) -> dict[str, TensorInfo]:
+        return gguf.tensors if self.layer_split is None else self.layer_split.tensors(gguf.tensors)
 
-    def _shard(self) -> None:
-        if self.layer_split is None:
+    def _layer_loaded(self, layer: int) -> None:
+        """Tensor parallel: mlx-lm's `shard`, on this one layer (it shards every layer of the
+        list it finds), evaluated so that the whole layer's arrays are let go now."""
+        if self.layer_split is not None:
+            return
+        inner = self.model.model
+        layers, inner.layers = inner.layers, [inner.layers[layer]]
+        try:
             self.model.shard(self.group)
-        else:
+        finally:
+            inner.layers = layers
+        mx.eval(layers[layer].parameters())
+
+    def _loaded(self) -> None:
+        if self.layer_split is not None:
             self.layer_split.connect(self.model)
 
 

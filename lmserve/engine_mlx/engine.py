@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import operator
 import os
+import re
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,10 +34,11 @@ from lmserve.engine_mlx.kv import Batch, MLXKVCache
 from lmserve.engine_mlx.model import adjust_weights, build_model, gguf_names
 from lmserve.engine_mlx.weights import Choice, convert, reads_natively, summarize
 from lmserve.model.config import ModelConfig
-from lmserve.model.gguf_file import GGUFFile, TensorInfo
+from lmserve.model.gguf_file import GGUFFile, ModelLoadError, TensorInfo
 
 PREFILL_CHUNK = 2048  # positions per forward pass during prefill (mlx-lm's default step)
 KV_FORMAT = "lmserve-mlx-kv-2"  # an mlx-lm prompt-cache file with our metadata
+_LAYER_PARAM = re.compile(r"model\.layers\.(\d+)\.")  # a parameter of one layer
 
 Progress = Callable[[int, int], None]
 
@@ -91,14 +93,8 @@ class MLXEngine(Engine[MLXKVCache]):
         self.stream = mx.new_thread_local_stream(mx.default_device())  # all of this engine's work
         with mx.stream(self.stream):
             self.model = self._build_model(config, gguf)
-            arrays, choices, self.weights_from = self._arrays(gguf, progress, cache_dir)
-            quant = {name.rsplit(".", 1)[0]: {"group_size": c.group_size, "bits": c.bits, "mode": c.mode}
-                     for name, c in choices.items() if c.bits is not None}
-            nn.quantize(self.model, class_predicate=lambda path, _: quant.get(path, False))
-            adjust_weights(config, arrays)
-            self.model.load_weights(list(arrays.items()), strict=True)
-            del arrays
-            self._shard()
+            choices, self.weights_from = self._load(gguf, progress, cache_dir)
+            self._loaded()
             mx.eval(self.model.parameters(), _module_constants(self.model))
         self.quant_summary = summarize(choices)
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
@@ -109,30 +105,67 @@ class MLXEngine(Engine[MLXKVCache]):
         """The network, before its weights load (a pipeline rank drops the others' layers)."""
         return build_model(config, gguf)
 
-    def _tensors(self, gguf: GGUFFile) -> tuple[dict[str, TensorInfo], str]:
-        """The file's tensors this engine loads, and what names that part of the file in the
-        weight cache ("" for all; a pipeline rank loads only its layers')."""
-        return gguf.tensors, ""
+    def _tensors(self, gguf: GGUFFile) -> dict[str, TensorInfo]:
+        """The file's tensors this engine loads (a pipeline rank: only its layers')."""
+        return gguf.tensors
 
-    def _shard(self) -> None:
-        """Called after the weights load, before they are evaluated: a distributed engine keeps
-        only its rank's share here (distributed.py); one device keeps them all."""
+    def _layer_loaded(self, layer: int) -> None:
+        """Called once a layer's weights are in, before the next part loads: a tensor-parallel
+        rank keeps its share of it here, so that it never holds more than its share and one
+        layer of the file (distributed.py); one device keeps them all."""
 
-    def _arrays(self, gguf: GGUFFile, progress: Progress | None,
-                cache_dir: Path | None) -> tuple[dict[str, mx.array], dict[str, Choice], str]:
-        """Native files load straight from the GGUF, tensor by tensor; others from the disk cache,
-        else converted (and cached)."""
-        tensors, part = self._tensors(gguf)
-        names = gguf_names(self.model, self.config, tensors)
-        if reads_natively(gguf, list(names.values())):
-            return *convert(gguf, names, self.dtype, progress), f"{gguf.path.name} (native)"
-        path = disk_cache.cache_path(gguf, self.dtype, Path(cache_dir or disk_cache.default_cache_dir()), part)
-        cached = disk_cache.load(path)
-        if cached is not None:
-            return *cached, f"cache {path}"
-        arrays, choices = convert(gguf, names, self.dtype, progress)
-        disk_cache.save(path, arrays, choices)
-        return arrays, choices, f"{gguf.path.name} (converted, cached in {path})"
+    def _loaded(self) -> None:
+        """Called once every weight is in, before they are evaluated (a pipeline rank connects
+        its layers to the other ranks' here)."""
+
+    def _load(self, gguf: GGUFFile, progress: Progress | None, cache_dir: Path | None) -> tuple[dict[str, Choice], str]:
+        """The weights, a part at a time (what is outside the layers, then each layer): native
+        files straight from the GGUF, tensor by tensor; others from the disk cache, else
+        converted (and cached). Returns every tensor's choice, and where the weights came from."""
+        names = gguf_names(self.model, self.config, self._tensors(gguf))
+        entry = None
+        if not reads_natively(gguf, list(names.values())):
+            entry = disk_cache.Entry(gguf, self.dtype, Path(cache_dir or disk_cache.default_cache_dir()))
+        choices: dict[str, Choice] = {}
+        loaded: set[str] = set()
+        converted = False
+        for layer, part in _parts(names).items():
+            done = len(choices)
+            arrays_choices = entry.load(layer) if entry is not None else None
+            if arrays_choices is None:
+                converted = True
+                arrays_choices = convert(gguf, part, self.dtype, progress and (
+                    lambda n, _, done=done: progress(done + n, len(names))))
+                if entry is not None:
+                    entry.save(layer, *arrays_choices)
+            elif progress is not None:
+                progress(done + len(part), len(names))
+            arrays, part_choices = arrays_choices
+            self._install(arrays, part_choices)
+            choices |= part_choices
+            loaded |= arrays.keys()
+            del arrays, arrays_choices
+            if layer is not None:
+                self._layer_loaded(layer)
+        missing = sorted({name for name, _ in tree_flatten(self.model.parameters())} - loaded)
+        if missing:
+            raise ModelLoadError(f"no weights loaded for {', '.join(missing[:4])}")
+        if entry is None:
+            return choices, f"{gguf.path.name} (native)"
+        return choices, f"{gguf.path.name} (converted, cached in {entry.path})" if converted else f"cache {entry.path}"
+
+    def _install(self, arrays: dict[str, mx.array], choices: dict[str, Choice]) -> None:
+        """One part's arrays into the network: its quantized layers made so, shapes checked."""
+        quant = {name.rsplit(".", 1)[0]: {"group_size": c.group_size, "bits": c.bits, "mode": c.mode}
+                 for name, c in choices.items() if c.bits is not None}
+        if quant:
+            nn.quantize(self.model, class_predicate=lambda path, _: quant.get(path, False))
+        adjust_weights(self.config, arrays)
+        params = dict(tree_flatten(self.model.parameters()))
+        wrong = [name for name, array in arrays.items() if name not in params or params[name].shape != array.shape]
+        if wrong:
+            raise ModelLoadError(f"the converted weights do not fit the network: {', '.join(sorted(wrong)[:4])}")
+        self.model.load_weights(list(arrays.items()), strict=False)
 
     # -- forward passes ----------------------------------------------------------------------
 
@@ -330,3 +363,12 @@ def _module_constants(model: nn.Module) -> list[mx.array]:
     thread that serves (its thread-local stream does not exist there)."""
     return [value for _, module in model.named_modules() for value in (*module.values(), *vars(module).values())
             if isinstance(value, mx.array)]
+
+
+def _parts(names: dict[str, str]) -> dict[int | None, dict[str, str]]:
+    """The parameter -> tensor names by part: None (outside the layers) first, then each layer."""
+    parts: dict[int | None, dict[str, str]] = {None: {}}
+    for param, tensor in names.items():
+        match = _LAYER_PARAM.match(param)
+        parts.setdefault(int(match.group(1)) if match else None, {})[param] = tensor
+    return parts
