@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", choices=("auto", "cpu", "mlx"), default="auto",
                    help="auto: MLX when it has a GPU, else the NumPy engine")
     p.add_argument("--distributed", nargs="?", const="tensor", choices=("tensor", "pipeline"), default=None,
-                   help="shard the model across the ranks mlx.launch starts (tensor parallel; see docs/DISTRIBUTED.md)")
+                   help="shard the model across the ranks mlx.launch starts: tensor (the default) or pipeline parallel "
+                        "(see docs/DISTRIBUTED.md)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for the worker (default 16)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
@@ -188,7 +189,8 @@ def banner(runtime, context_reason: str, ready_s: float) -> str:
     if engine.quant_summary:
         rows.insert(3, ("conversion", engine.quant_summary))
     if hasattr(engine, "ranks"):  # --distributed: each rank's share of the weights, and its free memory
-        shares = ", ".join(f"rank {r} {human_bytes(w)} ({human_bytes(a)} free)" for r, (w, a) in enumerate(engine.ranks))
+        shares = ", ".join(f"rank {r} {rank.host} {human_bytes(rank.weight_bytes)} ({human_bytes(rank.available)} free)"
+                           for r, rank in enumerate(engine.ranks))
         rows.insert(rows.index(("weights", human_bytes(engine.weight_bytes))) + 1,
                     ("distributed", f"{len(engine.ranks)} ranks, {engine.parallelism}; weights {shares}"))
     width = max(len(k) for k, _ in rows)

@@ -81,7 +81,7 @@ def worker(model: Path, out: Path, prompt: int, decode: int, ranks: int, mode: s
             token = int(engine.decode_argmax([cache], [token])[0])
         report["decode_tok_s"] = decode / (time.perf_counter() - start)
         if ranks > 1:
-            report["rank_weights"] = [w for w, _ in engine.ranks]
+            report["rank_weights"] = [rank.weight_bytes for rank in engine.ranks]
             engine.close()  # the followers' load() returns
     report["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     report["mlx_peak"] = mx.get_peak_memory()

@@ -6,10 +6,12 @@ lockstep protocol itself (every engine call, caches by handle) is checked agains
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -93,10 +95,13 @@ def chat(base_url: str, messages: list[dict]) -> dict:
     return httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60).json()
 
 
+FIRST_PROMPTS = [[{"role": "user", "content": "Name three colours."}], [{"role": "user", "content": "Count to five."}]]
+
+
 def conversation(base_url: str) -> list[dict]:
     """Two prompts, then a follow-up turn to the first: the replies with their usage."""
-    first = [{"role": "user", "content": "Name three colours."}]
-    replies = [chat(base_url, first), chat(base_url, [{"role": "user", "content": "Count to five."}])]
+    first = FIRST_PROMPTS[0]
+    replies = [chat(base_url, messages) for messages in FIRST_PROMPTS]
     follow_up = [*first, {"role": "assistant", "content": replies[0]["choices"][0]["message"]["content"]},
                  {"role": "user", "content": "And three more?"}]
     return [*replies, chat(base_url, follow_up)]
@@ -120,21 +125,26 @@ PARALLEL = {"tensor": "tensor parallel", "pipeline": "pipeline parallel"}
 ], ids=["llama3", "qwen3moe", "gemma3-pipeline", "smollm2-pipeline", None])
 def test_ranks_reply_as_one_process(model: Path | str, ranks: int, mode: str) -> None:
     path = default_model() if model == "smollm2" else model
-    flags = ("--ctx", "512")
+    flags = ("--ctx", "512", "--batch", "2")
     with start_server(str(path), "--engine", "mlx", *flags,
                       env={"XDG_CACHE_HOME": tempfile.mkdtemp(prefix="lmserve-dist-cache-")}) as one:
         expected = conversation(one.base_url)
     with launch(path, *flags, ranks=ranks, mode=mode) as group:
         got = conversation(group.base_url)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the first two prompts, batched
+            together = list(pool.map(lambda m: chat(group.base_url, m), FIRST_PROMPTS))
         os.kill(group.rank_pid(0), signal.SIGTERM)  # a stop: rank 0 tells the followers
         group.process.wait(20)
         banner = group.log()
     assert GONE not in banner and "exited with code" not in banner, banner  # mlx.launch names non-zero exits
     assert f"distributed    {ranks} ranks, {PARALLEL[mode]}" in banner
+    assert f"rank {ranks - 1} {socket.gethostname()} " in banner  # each rank's host
     assert banner.count("listening") == 1  # rank 1 opens no socket
     assert [r["choices"][0]["message"]["content"] for r in got] == \
         [r["choices"][0]["message"]["content"] for r in expected]
     assert got[2]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the first turn's prefix
+    assert [r["choices"][0]["message"]["content"] for r in together] == \
+        [r["choices"][0]["message"]["content"] for r in expected[:2]]
 
 
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])

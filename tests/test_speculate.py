@@ -146,6 +146,36 @@ def test_a_shared_pass_only_gets_a_probe_until_the_sequence_copies() -> None:
     assert lookup.draft(10, shared=True) == list(range(3, 13))
 
 
+def test_a_draft_is_verified_only_when_its_expected_gain_pays_for_the_pass() -> None:
+    costs = speculate.PassCosts()
+    lookup = PromptLookup(list(range(40)))
+    lookup.extend([0, 1, 2])
+    draft = lookup.draft(4)
+    assert draft == [3, 4, 5, 6]
+    assert costs.pays([lookup], [draft]) is None  # no decode step of this batch timed yet
+    costs.record(1, 1, 0.020)
+    assert costs.pays([lookup], [draft]) is True  # a pass of 5 rows not timed yet: tried
+    costs.record(1, 5, 0.060)  # it costs 3 decode steps
+    assert costs.pays([lookup], [draft]) is True  # an untried drafter is expected to gain all 4
+    lookup.record(4, 1)
+    assert costs.pays([lookup], [draft]) is False  # 2 tokens in 3 steps' time
+    lookup.record(4, 4)  # recent average gain 2.5: 3.5 tokens in 3 steps' time
+    assert costs.pays([lookup], [draft]) is True
+    costs.record(1, 5, 0.120)  # the pass now averages 0.075 s: 3.5 tokens in 3.75 steps' time
+    assert costs.pays([lookup], [draft]) is False
+    assert costs.pays([lookup, None], [draft, []]) is None  # a batch of 2 is another shape
+
+
+def test_drafts_that_never_pay_leave_the_reply_as_without_speculation(smollm2, monkeypatch) -> None:
+    model, engine = smollm2
+    request = chat(EDIT, max_tokens=60)
+    (plain,), _ = generate(model, engine, "off", [request])
+    monkeypatch.setattr(speculate.PassCosts, "pays", lambda self, drafters, drafts: False)
+    (gated,), _ = generate(model, engine, "ngram", [request])
+    assert text_of(gated) == text_of(plain)
+    assert finished(gated).usage.drafted == 0  # every draft was held back, none verified
+
+
 def test_the_acceptance_rule_keeps_the_sampling_distribution() -> None:
     """The scheduler draws from p and keeps the draft token x when the draw is x: the standard
     rule for a one-hot draft. Accepted with probability p(x); a rejection is distributed as p

@@ -25,13 +25,14 @@ import functools
 import importlib
 import logging
 import os
+import socket
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -272,7 +273,7 @@ class LockstepEngine(Engine[MLXKVCache]):
     Caches are the local engine's, tagged with an integer handle the followers know them by; a
     cache rank 0 drops is freed on the followers with the next command."""
 
-    def __init__(self, inner: ShardedMLXEngine, memory: list[tuple[int, int]]) -> None:
+    def __init__(self, inner: ShardedMLXEngine, ranks: list[Rank]) -> None:
         self.inner = inner
         self.group = inner.group
         self.world = self.group.size()
@@ -286,7 +287,7 @@ class LockstepEngine(Engine[MLXKVCache]):
         self.quant_summary = inner.quant_summary
         self.device_argmax = inner.device_argmax
         self.cheap_verify = inner.cheap_verify
-        self.ranks = memory  # per rank: (weight bytes, available bytes after loading)
+        self.ranks = ranks
         self._lock = threading.Lock()
         self._next = 1
         self._freed: collections.deque[int] = collections.deque()
@@ -455,13 +456,26 @@ def follow(engine: ShardedMLXEngine) -> None:
             pace.end(watchdog)
 
 
-def gather_memory(group: mx.distributed.Group, weight_bytes: int) -> list[tuple[int, int]]:
-    """Every rank's (weight bytes, available memory), on every rank: what the banner shows and
-    the RAM guard checks."""
-    mine = np.zeros((group.size(), 2), dtype=np.float64)
-    mine[group.rank()] = [weight_bytes, psutil.virtual_memory().available]
-    out = mx.distributed.all_sum(mx.array(mine.astype(np.float32) / 2**20), group=group, stream=mx.cpu)
-    return [(int(w * 2**20), int(a * 2**20)) for w, a in np.array(out).tolist()]
+class Rank(NamedTuple):
+    """One rank, as the banner shows it and the RAM guard checks it."""
+
+    host: str
+    weight_bytes: int
+    available: int  # bytes of memory available once its weights loaded
+
+
+HOST_BYTES = 64  # a host name is cut to this many bytes in the gather
+
+
+def gather_ranks(group: mx.distributed.Group, weight_bytes: int) -> list[Rank]:
+    """Every rank's host, weights and available memory, on every rank."""
+    host = socket.gethostname().encode()[:HOST_BYTES]
+    mine = np.zeros((group.size(), 2 + HOST_BYTES), dtype=np.float32)
+    mine[group.rank(), :2] = [weight_bytes / 2**20, psutil.virtual_memory().available / 2**20]
+    mine[group.rank(), 2:2 + len(host)] = list(host)
+    out = np.array(mx.distributed.all_sum(mx.array(mine), group=group, stream=mx.cpu))
+    return [Rank(bytes(int(b) for b in row[2:] if b).decode(errors="replace"), int(row[0] * 2**20),
+                 int(row[1] * 2**20)) for row in out]
 
 
 def load(gguf: GGUFFile, config: ModelConfig, mode: str, progress: Progress | None = None) -> LockstepEngine | None:
@@ -470,16 +484,16 @@ def load(gguf: GGUFFile, config: ModelConfig, mode: str, progress: Progress | No
     group = init_group()
     check_shardable(config, mode, group.size())
     engine = ShardedMLXEngine(gguf, config, group, mode, progress if group.rank() == 0 else None)
-    memory = gather_memory(group, engine.weight_bytes)
+    ranks = gather_ranks(group, engine.weight_bytes)
     if group.rank() != 0:
         follow(engine)
         return None
-    short = [r for r, (_, free) in enumerate(memory) if free < memory[0][1] * 0.9]
+    short = [r for r, rank in enumerate(ranks) if rank.available < ranks[0].available * 0.9]
     if short:  # the RAM guard runs on rank 0, with rank 0's memory
         logging.getLogger("lmserve.ram").warning(
             "RAM guard: rank(s) %s have less memory free than rank 0 (%s); KV slots are sized on rank 0's, "
             "each rank holding its share of every slot", ", ".join(map(str, short)),
-            ", ".join(f"rank {r}: {free / 2**30:.1f} GiB" for r, (_, free) in enumerate(memory)))
-    lockstep = LockstepEngine(engine, memory)
+            ", ".join(f"rank {r}: {rank.available / 2**30:.1f} GiB" for r, rank in enumerate(ranks)))
+    lockstep = LockstepEngine(engine, ranks)
     atexit.register(lockstep.close)
     return lockstep

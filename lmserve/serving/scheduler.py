@@ -8,9 +8,10 @@ its prompt is in the cache. A cancelled job (client gone) is dropped from the qu
 from the batch at the next step or chunk, giving back its slot.
 
 With speculative decoding (serving/speculate.py) a step is a verify pass whenever a sequence has
-a draft: each sequence feeds its last token plus its draft (possibly none), picks from every
-position's logits as a decode step would, keeps the draft up to the first disagreement and
-truncates its cache back to the tokens taken. Every token still goes through `_emit` one by one,
+a draft and the drafts are worth the pass (`PassCosts`, from the passes timed so far): each
+sequence feeds its last token plus its draft (possibly none), picks from every position's logits
+as a decode step would, keeps the draft up to the first disagreement and truncates its cache back
+to the tokens taken. Every token still goes through `_emit` one by one,
 so stop strings, grammars, logprobs and max_tokens see exactly what plain decoding shows them.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -31,7 +33,7 @@ from lmserve.serving.handle import SpeculationUsage
 from lmserve.serving.jobs import GenerationJob
 from lmserve.serving.kv_slots import Slot, SlotPool
 from lmserve.serving.sampling import Sampler, token_logprob
-from lmserve.serving.speculate import Drafter, DrafterFactory, PromptLookup
+from lmserve.serving.speculate import Drafter, DrafterFactory, PassCosts, PromptLookup
 
 log = logging.getLogger("lmserve.scheduler")
 
@@ -90,6 +92,7 @@ class Scheduler:
         self.max_batch = max(1, min(max_batch, len(slots.slots)))
         self.prefill_chunk = max(0, prefill_chunk)
         self.drafters = drafters  # makes each admitted sequence's drafter (None: no speculation)
+        self.pass_costs = PassCosts()  # what each shape of engine pass costs: when a draft pays
         self.tokens_generated = 0  # every token the engine produced, for tests and metrics
         self._queue: deque[GenerationJob] = deque()
         self._prefilling: deque[_Sequence] = deque()  # admitted, prompt partly in the cache
@@ -249,11 +252,14 @@ class Scheduler:
         verify = any(drafts)
         device_greedy = not verify and self.engine.device_argmax and not any(
             s.job.sampling.needs_host_logits or s.reply.needs_logits for s in self._active)
+        width = 1 + max(map(len, drafts))
+        start = time.perf_counter()
         try:
             if verify:
                 rows = self.engine.verify(caches, [[t, *d] for t, d in zip(tokens, drafts, strict=True)])
             else:
                 rows = self.engine.decode_argmax(caches, tokens) if device_greedy else self.engine.decode(caches, tokens)
+            self.pass_costs.record(len(caches), width, time.perf_counter() - start)
         except Exception as exc:  # the engine step failed: every sequence in it fails
             log.exception("decode step failed")
             for seq in self._active:
@@ -278,7 +284,7 @@ class Scheduler:
     def _drafts(self) -> list[list[int]]:
         """Each running sequence's draft ([]: none), capped so that taking all of it cannot pass
         the request's max_tokens, and so that every cache has room for the longest list (a verify
-        pass may pad the others to it)."""
+        pass may pad the others to it); none at all when they are not worth a verify pass."""
         if not any(s.drafter for s in self._active):
             return [[] for _ in self._active]
         room = min(s.cache.capacity - s.cache.length for s in self._active) - 1
@@ -292,7 +298,13 @@ class Scheduler:
                 log.exception("drafting failed: the sequence goes on without drafts")
                 seq.drafter = None
                 drafts.append([])
-        return drafts
+        pays = self.pass_costs.pays([s.drafter for s in self._active], drafts) if any(drafts) else True
+        if pays:
+            return drafts
+        for seq, draft in zip(self._active, drafts, strict=True):
+            if draft and seq.drafter is not None and pays is False:  # not worth its pass: pause
+                seq.drafter.hold()
+        return [[] for _ in self._active]
 
     def _verified(self, seq: _Sequence, draft: list[int], logits: np.ndarray) -> bool:
         """Pick from each verified position as plain decoding would and keep the draft while the

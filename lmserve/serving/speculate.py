@@ -15,10 +15,15 @@ Drafters (`--speculate`):
   the draft greedily, from its own cache of the sequence.
 
 A verify pass costs more than a decode step (on the NumPy engine a pass of 2 to 16 rows costs
-1.7 to 3.7 single-row steps), so drafting is kept to where it pays (`Drafter`). A sequence whose
-draft gains nothing pauses drafting for `PAUSE` tokens, twice as long each time that happens
-again (at most `MAX_PAUSE`), and an accepted draft resets the pause: a reply with nothing to
-copy pays for a few probes, not for a draft every step. In a pass shared with other sequences a
+1.7 to 3.7 single-row steps, on a GPU little more than one), so drafting is kept to where it pays.
+`PassCosts` learns, as the server runs, what each shape of pass costs on this engine (decode steps
+by batch size, verify passes by batch size and width), and a step is a verify pass only when the
+tokens its drafts are expected to gain (each sequence's recent average) make it yield more tokens
+a second than a decode step. A sequence whose draft gains nothing, or is not worth its pass,
+pauses drafting for `PAUSE` tokens, twice as long each time that happens again (at most
+`MAX_PAUSE`), and an accepted draft resets the pause: a reply with nothing to copy pays for a few
+probes, not for a draft every step. After a pause a sequence's next draft is tried whatever its
+past, so that a reply that starts copying late is found. In a pass shared with other sequences a
 long draft widens it for all of them (the engine pads to the longest list), so there a sequence
 only probes with `PROBE` tokens until a draft of it is accepted whole. And prompt lookup drafts
 from a match shorter than 3 tokens only right after a draft was accepted whole: in prose such
@@ -44,6 +49,7 @@ MAX_DRAFT = 15  # per step: 16 rows cost the NumPy engine no more than 8-11 (edi
 MODEL_DRAFT = 4  # tokens a draft model writes at most per step (one small-model step each)
 PROBE = 3  # the most a sequence drafts in a shared pass until a draft of it is accepted whole
 PAUSE, MAX_PAUSE = 8, 256
+COST_WEIGHT = 0.25  # of a new measurement in a pass shape's moving average
 CATCH_UP = 256  # prompt tokens a draft model prefills per step before it drafts again
 
 
@@ -58,6 +64,7 @@ class Drafter:
         self.copying = False  # the last draft was accepted whole
         self._pause = PAUSE
         self._resume_at = 0  # no draft before the sequence holds this many tokens
+        self._gain: float | None = None  # tokens a draft recently gained on average (None: to be tried)
 
     @property
     def length(self) -> int:
@@ -80,16 +87,52 @@ class Drafter:
             return []
         return self.propose(limit)
 
+    def expected_gain(self, length: int) -> float:
+        """Tokens a draft of `length` is expected to gain: all of them until one has been tried."""
+        return float(length) if self._gain is None else min(float(length), self._gain)
+
     def record(self, drafted: int, accepted: int) -> None:
         """What became of a draft: the request's counts, and whether to pause."""
         self.drafted += drafted
         self.accepted += accepted
         self.copying = accepted == drafted
+        self._gain = accepted if self._gain is None else (self._gain + accepted) / 2
         if accepted:
             self._pause = PAUSE
             return
+        self.hold()
+
+    def hold(self) -> None:
+        """Pause drafting (a draft gained nothing, or was not worth its pass); the next draft is
+        tried whatever came before."""
         self._resume_at = self.length + self._pause
         self._pause = min(2 * self._pause, MAX_PAUSE)
+        self._gain = None
+
+
+class PassCosts:
+    """Seconds each shape of engine pass takes here (moving averages by batch size and width:
+    1 for a decode step), and whether a verify pass pays."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[tuple[int, int], float] = {}
+
+    def record(self, batch: int, width: int, seconds: float) -> None:
+        old = self._seconds.get((batch, width))
+        self._seconds[batch, width] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
+
+    def pays(self, drafters: Sequence[Drafter | None], drafts: Sequence[Sequence[int]]) -> bool | None:
+        """Whether verifying these drafts yields more tokens a second than a decode step, by the
+        drafts' expected gains; True for a shape not yet measured (it is tried), None while a
+        decode step of this batch has not been measured."""
+        batch, width = len(drafts), 1 + max(map(len, drafts))
+        decode, verify = self._seconds.get((batch, 1)), self._seconds.get((batch, width))
+        if decode is None:
+            return None
+        if verify is None:
+            return True
+        gain = sum(d.expected_gain(len(x)) for d, x in zip(drafters, drafts, strict=True) if d is not None and x)
+        return (batch + gain) / verify > batch / decode
 
 
 class PromptLookup(Drafter):
