@@ -307,7 +307,7 @@ def serve(args: argparse.Namespace) -> None:
     speculate = check_speculation(args, engine.cheap_verify)
     draft_engine = load_draft(args.draft, model, engine.name) if speculate == "draft" else None
     context = ContextChoice(args.ctx, "--ctx") if args.ctx else default_context(
-        model.config.context_length, engine.kv_bytes_per_token())
+        model.config.context_length, engine.kv_bytes_per_token(), engine.available_memory)
     ctx = context.tokens
     options = ServerOptions(host=args.host, port=args.port, ctx=ctx, max_queue=args.queue,
                             max_batch=args.batch, api_key=args.api_key, kv_slots=args.kv_slots,

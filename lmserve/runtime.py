@@ -68,7 +68,7 @@ class Runtime:
         self.replies = ReplyPlanner(model.tokenizer, model.template)
         cfg = model.config
         self.slot_budget = plan_slots(max(options.kv_slots, options.max_batch), engine.kv_bytes_per_token(), options.ctx,
-                                      force=options.kv_slots_force)
+                                      engine.available_memory, force=options.kv_slots_force)
         disk = None
         if options.kv_cache_dir is not None:
             disk = DiskTier(options.kv_cache_dir, model.gguf.header_digest(),

@@ -204,7 +204,7 @@ if engine is None:  # a follower: rank 0 said STOP
     sys.exit(0)
 one = MLXEngine(model.gguf, model.config)
 out = {"weights": [engine.weight_bytes, one.weight_bytes], "close": [], "same_ids": [],
-       "one_from": one.weights_from}
+       "one_from": one.weights_from, "available": [engine.available_memory, [r.available for r in engine.ranks]]}
 
 def pick(x, i):
     return x[i] if isinstance(x, tuple) else [pick(e, i) for e in x] if isinstance(x, list) else x
@@ -267,6 +267,8 @@ def test_lockstep_calls_match_one_engine(model: Path, mode: str, tmp_path: Path)
     assert {"a.kv", "a.kv.rank1", "one.kv"} <= set(out["rank_files"])  # each rank saves its own share
     sharded, whole = out["weights"]
     assert sharded < whole
+    tightest, each = out["available"]
+    assert tightest == min(each) > 0  # the RAM guard sizes slots to fit on every rank
     if model == PHI3_K:  # each rank converted and cached its own layer; the one engine read them all
         (entry,) = (tmp_path / "lmserve" / "mlx").iterdir()
         assert sorted(p.name for p in entry.iterdir()) == ["base.safetensors", "layer-0.safetensors",

@@ -53,6 +53,9 @@ class Engine(Protocol[C]):
     # The part of each cached position this process holds: 1, or a distributed rank's (its KV
     # heads, or its layers; the largest rank's).
     kv_share: float = 1.0
+    # The memory the RAM guard sizes KV slots and the default context with: None for this machine's
+    # (measured when asked); a distributed group's is its tightest rank's.
+    available_memory: int | None = None
     quant_summary: str  # how weights were converted at load, for the banner; "" when none were
     # True when `decode_argmax` saves work over `decode` + a host argmax (it runs on the device and
     # copies only ids back): the scheduler then uses it for batches that need no host logits.

@@ -288,6 +288,7 @@ class LockstepEngine(Engine[MLXKVCache]):
         self.device_argmax = inner.device_argmax
         self.cheap_verify = inner.cheap_verify
         self.ranks = ranks
+        self.available_memory = min(rank.available for rank in ranks)  # slots must fit on every rank
         self._lock = threading.Lock()
         self._next = 1
         self._freed: collections.deque[int] = collections.deque()
@@ -488,11 +489,11 @@ def load(gguf: GGUFFile, config: ModelConfig, mode: str, progress: Progress | No
     if group.rank() != 0:
         follow(engine)
         return None
-    short = [r for r, rank in enumerate(ranks) if rank.available < ranks[0].available * 0.9]
-    if short:  # the RAM guard runs on rank 0, with rank 0's memory
+    tightest = min(range(len(ranks)), key=lambda r: ranks[r].available)
+    if ranks[tightest].available < ranks[0].available * 0.9:
         logging.getLogger("lmserve.ram").warning(
-            "RAM guard: rank(s) %s have less memory free than rank 0 (%s); KV slots are sized on rank 0's, "
-            "each rank holding its share of every slot", ", ".join(map(str, short)),
+            "RAM guard: KV slots are sized on rank %d's memory, the least free (%s), each rank holding its "
+            "share of every slot", tightest,
             ", ".join(f"rank {r}: {rank.available / 2**30:.1f} GiB" for r, rank in enumerate(ranks)))
     lockstep = LockstepEngine(engine, ranks)
     atexit.register(lockstep.close)
