@@ -74,7 +74,6 @@ class Runtime:
             disk = DiskTier(options.kv_cache_dir, model.gguf.header_digest(),
                             [engine.name, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim], options.kv_disk_slots)
         self.warm = threading.Event()  # set once first-use work (tool parsers, grammar tokenizer) is done
-        self._warming: threading.Thread | None = None
         self.slots = SlotPool(engine, self.slot_budget.slots, options.ctx, disk, options.kv_reuse)
         self.scheduler = Scheduler(engine, model.tokenizer, self.slots, options.max_queue, options.max_batch,
                                    options.prefill_chunk,
@@ -82,8 +81,7 @@ class Runtime:
 
     def start(self) -> None:
         self.scheduler.start()
-        self._warming = threading.Thread(target=self._warm_up, name="lmserve-warm-up", daemon=True)
-        self._warming.start()
+        threading.Thread(target=self._warm_up, name="lmserve-warm-up", daemon=True).start()
 
     def _warm_up(self) -> None:
         self.replies.warm_up()
@@ -91,10 +89,6 @@ class Runtime:
 
     def stop(self) -> None:
         self.scheduler.stop()
-        # A process that exits while the warm-up thread is inside a native import (mlx, on a fresh
-        # install still compiling bytecode) aborts with SIGABRT instead of exiting 0.
-        if self._warming is not None:
-            self._warming.join(timeout=60)
 
     def model_info(self) -> dict[str, Any]:
         """What /health and /v1/models say about the served model."""
