@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,17 +30,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(REPO))
+from tests.server_util import free_ports  # noqa: E402
 
 
 def write_model(directory: Path) -> Path:
     """A Qwen3 GGUF of random F16 weights, about 250 MB (tests/fixture_models.py's writer)."""
-    sys.path.insert(0, str(REPO))
     from tests import fixture_models
 
     fixture_models.SHAPES["qwen3"] = dataclasses.replace(
@@ -95,7 +89,7 @@ def run(model: Path, ranks: int, mode: str, prompt: int, decode: int, out: Path)
         cmd = [sys.executable, *args]
     else:
         launch = Path(sys.executable).parent / "mlx.launch"
-        cmd = [str(launch), "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port()),
+        cmd = [str(launch), "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_ports(ranks)),
                "--", sys.executable, *args]
     subprocess.run(cmd, check=True, cwd=REPO, timeout=900)
     return [json.loads((out / f"{mode}-rank{r}-of-{ranks}.json").read_text()) for r in range(ranks)]

@@ -28,6 +28,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive free ports (`mlx.launch --starting-port`: the ring binds one
+    per rank, from there up; a port after a free one may be taken)."""
+    while True:
+        base = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + n):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+
+
 @dataclass
 class Server:
     base_url: str

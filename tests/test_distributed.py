@@ -25,7 +25,7 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from tests.server_util import REPO, Server, free_port, start_server  # noqa: E402
+from tests.server_util import REPO, Server, free_port, free_ports, start_server  # noqa: E402
 
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 if not mx.distributed.is_available() or not LAUNCH.exists():
@@ -61,7 +61,7 @@ def launch(model: Path, *args: str, ranks: int = 2, mode: str = "tensor", timeou
     log = tempfile.NamedTemporaryFile(prefix="lmserve-dist-", suffix=".log", delete=False)  # noqa: SIM115
     env = {**os.environ, "XDG_CACHE_HOME": tempfile.mkdtemp(prefix="lmserve-dist-cache-")}
     proc = subprocess.Popen(
-        [str(LAUNCH), "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port()), "--",
+        [str(LAUNCH), "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_ports(ranks)), "--",
          sys.executable, "-m", "lmserve.cli", str(model), "--distributed", mode, "--engine", "mlx",
          "--port", str(port), *args],
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
@@ -183,7 +183,7 @@ def test_refuses_what_cannot_be_split(model: Path | str, ranks: int, mode: str, 
     """Every rank refuses before loading weights (mlx.launch itself exits 0 all the same)."""
     path = default_model() if model == "smollm2" else model
     proc = subprocess.run(
-        [str(LAUNCH), "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port()), "--",
+        [str(LAUNCH), "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_ports(ranks)), "--",
          sys.executable, "-m", "lmserve.cli", str(path), "--distributed", mode, "--port", str(free_port())],
         capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
     out = proc.stdout + proc.stderr
@@ -255,7 +255,7 @@ def test_lockstep_calls_match_one_engine(model: Path, mode: str, tmp_path: Path)
     script = tmp_path / "lockstep.py"
     script.write_text(LOCKSTEP_SCRIPT)
     proc = subprocess.run(
-        [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
+        [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(free_ports(2)), "--",
          sys.executable, str(script), str(model), str(tmp_path), mode],
         capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
     result = tmp_path / "result.json"

@@ -221,14 +221,19 @@ class Watchdog:
     def __init__(self) -> None:
         self._deadline: float | None = None
         self._what = ""
+        self._cap: tuple[float, str] | None = None  # the most any collective may take from now on
         threading.Thread(target=self._watch, name="lmserve-distributed-watchdog", daemon=True).start()
 
     def arm(self, seconds: float, what: str) -> None:
         """Expect the current collective to end within `seconds`; `what` says what else happened."""
+        if self._cap is not None and seconds > self._cap[0]:
+            seconds, what = self._cap
         self._what, self._deadline = what, time.monotonic() + seconds
 
     def hurry(self, seconds: float, what: str) -> None:
-        """Bring an armed deadline within `seconds`."""
+        """Bring an armed deadline, and every later one, within `seconds` (a stop signal came:
+        whatever the ranks still do, shutting down included, ends soon)."""
+        self._cap = (seconds, what)
         deadline = self._deadline
         if deadline is not None and deadline > time.monotonic() + seconds:
             self.arm(seconds, what)
@@ -335,7 +340,8 @@ class LockstepEngine(Engine[MLXKVCache]):
 
     def stopping(self) -> None:
         """The server was told to stop (mlx.launch sends that to every rank when one exits): a
-        call still waiting on the other ranks a second from now is taken for a lost rank."""
+        call, now or later, still waiting on the other ranks a second after it began is taken for
+        a lost rank, well within uvicorn's graceful shutdown, so open streams get the in-band error."""
         self._watchdog.hurry(STOP_S, f"still waiting on the other ranks {STOP_S:.0f} s after the stop signal")
 
     def close(self) -> None:
