@@ -48,6 +48,7 @@ class Entry:
         key = f"{FORMAT}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{gguf.header_digest()}"
         self.stem = gguf.path.stem
         self.path = cache_dir / "mlx" / f"{self.stem}.{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        self._stale_dropped = False  # by the first part written
 
     def load(self, layer: int | None) -> tuple[dict[str, mx.array], dict[str, Choice]] | None:
         """A part's arrays and choices, or None when absent or unreadable."""
@@ -71,7 +72,9 @@ class Entry:
         path = self.path / f"{part_name(layer)}.safetensors"
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")
         try:
-            self._drop_stale()
+            if not self._stale_dropped:
+                self._drop_stale()
+                self._stale_dropped = True
             self.path.mkdir(parents=True, exist_ok=True)
             with tmp.open("wb") as f:
                 mx.save_safetensors(f, arrays, metadata)

@@ -121,37 +121,30 @@ def shardable() -> list[str]:
 
 
 class ShardedMLXEngine(MLXEngine):
-    """An MLX engine holding its rank's share of the weights; every step is a collective.
-    `mode` "tensor": a share of every layer (mlx-lm's `shard`); "pipeline": a run of whole layers
-    (pipeline.py)."""
+    """An MLX engine holding its rank's share of the weights; every step is a collective."""
 
     queue_next_step = False  # no greedy step left in flight between two lockstep calls
+    parallelism = ""  # for the banner
 
-    def __init__(self, gguf: GGUFFile, config: ModelConfig, group: mx.distributed.Group, mode: str = "tensor",
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, group: mx.distributed.Group,
                  progress: Progress | None = None) -> None:
         self.group = group
-        self.layer_split = pipeline.LayerSplit(config.n_layers, group) if mode == "pipeline" else None
-        if self.layer_split is None:
-            self.parallelism, self.kv_share = "tensor parallel", 1 / group.size()
-        else:
-            self.parallelism = f"pipeline parallel ({self.layer_split.describe()})"
-            self.kv_share = self.layer_split.kv_share
         super().__init__(gguf, config, progress)
 
-    def _build_model(self, config: ModelConfig, gguf: GGUFFile) -> nn.Module:
-        model = super()._build_model(config, gguf)
-        if self.layer_split is not None:
-            self.layer_split.prune(model)
-        return model
 
-    def _tensors(self, gguf: GGUFFile) -> dict[str, TensorInfo]:
-        return gguf.tensors if self.layer_split is None else self.layer_split.tensors(gguf.tensors)
+class TensorParallelEngine(ShardedMLXEngine):
+    """A share of every layer: mlx-lm's `shard` (heads and FFN columns split)."""
+
+    parallelism = "tensor parallel"
+
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, group: mx.distributed.Group,
+                 progress: Progress | None = None) -> None:
+        self.kv_share = 1 / group.size()  # each rank caches 1/N of the KV heads
+        super().__init__(gguf, config, group, progress)
 
     def _layer_loaded(self, layer: int) -> None:
-        """Tensor parallel: mlx-lm's `shard`, on this one layer (it shards every layer of the
-        list it finds), evaluated so that the whole layer's arrays are let go now."""
-        if self.layer_split is not None:
-            return
+        """mlx-lm's `shard`, on this one layer (it shards every layer of the list it finds),
+        evaluated so that the whole layer's arrays are let go now."""
         inner = self.model.model
         layers, inner.layers = inner.layers, [inner.layers[layer]]
         try:
@@ -160,9 +153,30 @@ class ShardedMLXEngine(MLXEngine):
             inner.layers = layers
         mx.eval(layers[layer].parameters())
 
+
+class PipelineParallelEngine(ShardedMLXEngine):
+    """A run of whole layers (pipeline.py)."""
+
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, group: mx.distributed.Group,
+                 progress: Progress | None = None) -> None:
+        self.layer_split = pipeline.LayerSplit(config.n_layers, group)
+        self.parallelism = f"pipeline parallel ({self.layer_split.describe()})"
+        self.kv_share = self.layer_split.kv_share
+        super().__init__(gguf, config, group, progress)
+
+    def _build_model(self, config: ModelConfig, gguf: GGUFFile) -> nn.Module:
+        model = super()._build_model(config, gguf)
+        self.layer_split.prune(model)
+        return model
+
+    def _tensors(self, gguf: GGUFFile) -> dict[str, TensorInfo]:
+        return self.layer_split.tensors(gguf.tensors)
+
     def _loaded(self) -> None:
-        if self.layer_split is not None:
-            self.layer_split.connect(self.model)
+        self.layer_split.connect(self.model)
+
+
+ENGINES = {"tensor": TensorParallelEngine, "pipeline": PipelineParallelEngine}
 
 
 def broadcast(group: mx.distributed.Group, words: Sequence[int] | None) -> list[int]:
@@ -477,10 +491,10 @@ HOST_BYTES = 64  # a host name is cut to this many bytes in the gather
 def gather_ranks(group: mx.distributed.Group, weight_bytes: int) -> list[Rank]:
     """Every rank's host, weights and available memory, on every rank."""
     host = socket.gethostname().encode()[:HOST_BYTES]
-    mine = np.zeros((group.size(), 2 + HOST_BYTES), dtype=np.float32)
-    mine[group.rank(), :2] = [weight_bytes / 2**20, psutil.virtual_memory().available / 2**20]
-    mine[group.rank(), 2:2 + len(host)] = list(host)
-    out = np.array(mx.distributed.all_sum(mx.array(mine), group=group, stream=mx.cpu))
+    mine = np.zeros((1, 2 + HOST_BYTES), dtype=np.float32)
+    mine[0, :2] = [weight_bytes / 2**20, psutil.virtual_memory().available / 2**20]
+    mine[0, 2:2 + len(host)] = list(host)
+    out = np.array(mx.distributed.all_gather(mx.array(mine), group=group, stream=mx.cpu))
     return [Rank(bytes(int(b) for b in row[2:] if b).decode(errors="replace"), int(row[0] * 2**20),
                  int(row[1] * 2**20)) for row in out]
 
@@ -490,7 +504,7 @@ def load(gguf: GGUFFile, config: ModelConfig, mode: str, progress: Progress | No
     commands here until the group stops and gets None (it must then exit, never binding HTTP)."""
     group = init_group()
     check_shardable(config, mode, group.size())
-    engine = ShardedMLXEngine(gguf, config, group, mode, progress if group.rank() == 0 else None)
+    engine = ENGINES[mode](gguf, config, group, progress if group.rank() == 0 else None)
     ranks = gather_ranks(group, engine.weight_bytes)
     if group.rank() != 0:
         follow(engine)

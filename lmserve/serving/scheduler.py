@@ -11,8 +11,8 @@ With speculative decoding (serving/speculate.py) a step is a verify pass wheneve
 a draft and the drafts are worth the pass (`PassCosts`, from the passes timed so far): each
 sequence feeds its last token plus its draft (possibly none), picks from every position's logits
 as a decode step would, keeps the draft up to the first disagreement and truncates its cache back
-to the tokens taken. Every token still goes through `_emit` one by one,
-so stop strings, grammars, logprobs and max_tokens see exactly what plain decoding shows them.
+to the tokens taken. Every token still goes through `_emit` one by one, so stop strings,
+grammars, logprobs and max_tokens see exactly what plain decoding shows them.
 """
 
 from __future__ import annotations
@@ -301,9 +301,10 @@ class Scheduler:
         pays = self.pass_costs.pays([s.drafter for s in self._active], drafts) if any(drafts) else True
         if pays:
             return drafts
-        for seq, draft in zip(self._active, drafts, strict=True):
-            if draft and seq.drafter is not None and pays is False:  # not worth its pass: pause
-                seq.drafter.hold()
+        if pays is False:  # measured not worth the pass: those drafting pause (None: a step is timed first)
+            for seq, draft in zip(self._active, drafts, strict=True):
+                if draft and seq.drafter is not None:
+                    seq.drafter.hold()
         return [[] for _ in self._active]
 
     def _verified(self, seq: _Sequence, draft: list[int], logits: np.ndarray) -> bool:
