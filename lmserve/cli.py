@@ -248,8 +248,11 @@ class GracefulServer(uvicorn.Server):
         self.runtime = runtime
 
     def handle_exit(self, sig, frame) -> None:
-        self.runtime.scheduler.request_stop()
-        getattr(self.runtime.engine, "stopping", lambda: None)()  # --distributed: a stuck step ends soon
+        stopping = getattr(self.runtime.engine, "stopping", None)
+        if stopping is None:
+            self.runtime.scheduler.request_stop()
+        else:  # --distributed: a stuck step ends soon, naming a lost rank; then the worker stops
+            stopping(self.runtime.scheduler.request_stop)
         super().handle_exit(sig, frame)
 
 

@@ -56,6 +56,7 @@ STEP_S = 10.0
 SLACK = 4.0
 FIRST_PACE_S = 1.0
 STOP_S = 1.0  # after a stop signal, a call waiting longer on the other ranks is a lost rank
+STOP_GRACE_S = 0.5  # and the steps go on this much longer, for the watchdog to name it first
 FAREWELL_S = 0.5  # what the server has to send in-band errors on its open streams before exiting
 
 
@@ -352,11 +353,14 @@ class LockstepEngine(Engine[MLXKVCache]):
                 finally:
                     self._lock.release()
 
-    def stopping(self) -> None:
+    def stopping(self, then: Callable[[], None]) -> None:
         """The server was told to stop (mlx.launch sends that to every rank when one exits): a
         call, now or later, still waiting on the other ranks a second after it began is taken for
-        a lost rank, well within uvicorn's graceful shutdown, so open streams get the in-band error."""
+        a lost rank, well within uvicorn's graceful shutdown, so open streams get the in-band error.
+        `then` (stopping the worker) runs only after that second and a half: a worker stopped at
+        once, between two steps, would end the streams as a plain shutdown, naming no lost rank."""
         self._watchdog.hurry(STOP_S, f"still waiting on the other ranks {STOP_S:.0f} s after the stop signal")
+        threading.Timer(STOP_S + STOP_GRACE_S, then).start()
 
     def close(self) -> None:
         """Tell the followers to exit (at rank 0's exit)."""
