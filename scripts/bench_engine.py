@@ -5,7 +5,7 @@ memory bandwidth divided by the bytes of weights a token reads. The bandwidth is
 same run (machines and their neighbours vary), with the kernel decode itself uses: a BLAS
 matrix-vector product over a matrix much larger than the caches.
 
-    python scripts/bench_engine.py [--engine cpu|mlx] [--model PATH ...] [--rounds N] [--grammar] [--speculate]
+    python scripts/bench_engine.py [--engine cpu|cpu-float32|mlx] [--model PATH ...] [--rounds N] [--grammar] [--speculate]
 
 With several models, a summary table follows their reports (on MLX: the best of `--rounds`
 interleaved runs of the engine and of mlx-lm's `generate_step` on the same model object).
@@ -13,16 +13,20 @@ interleaved runs of the engine and of mlx-lm's `generate_step` on the same model
 
 from __future__ import annotations
 
+import lmserve  # noqa: F401  (first: it tunes OpenBLAS before NumPy loads, as the server does)
+
+# isort: split
 import argparse
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -38,6 +42,7 @@ from lmserve.model.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from lmserve.engine_mlx import MLXEngine
 
+T = TypeVar("T")
 BANDWIDTH_BYTES = 512 << 20  # 16x the largest L3 cache on the machines we bench on
 KQUANT_FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "data" / "fixtures" / "tiny-llama" / "tiny-llama-Q4_K_M.gguf"
 READY_CHILD = """
@@ -62,14 +67,19 @@ class Loaded:
     bytes_per_token: int
 
 
-def load_cpu(gguf: GGUFFile, config: ModelConfig) -> Loaded:
+def load_cpu(gguf: GGUFFile, config: ModelConfig, quantized: bool | None = None) -> Loaded:
     """The NumPy engine: a token reads every matrix, and of the embeddings only its own row
     unless they double as the output head."""
     from lmserve.engine_cpu import CPUEngine
 
-    engine = CPUEngine(gguf, config)
+    engine = CPUEngine(gguf, config, quantized=quantized)
     skipped = 0 if config.tied_embeddings else engine.weights.embed.nbytes
     return Loaded(engine, engine.weight_bytes - skipped)
+
+
+def load_cpu_float32(gguf: GGUFFile, config: ModelConfig) -> Loaded:
+    """The NumPy engine on float32 weights throughout: the baseline of its quantized kernels."""
+    return load_cpu(gguf, config, quantized=False)
 
 
 def load_mlx(gguf: GGUFFile, config: ModelConfig) -> Loaded:
@@ -84,7 +94,8 @@ def load_mlx(gguf: GGUFFile, config: ModelConfig) -> Loaded:
     return Loaded(engine, engine.weight_bytes - skipped)
 
 
-LOADERS: dict[str, Callable[[GGUFFile, ModelConfig], Loaded]] = {"cpu": load_cpu, "mlx": load_mlx}
+LOADERS: dict[str, Callable[[GGUFFile, ModelConfig], Loaded]] = {
+    "cpu": load_cpu, "cpu-float32": load_cpu_float32, "mlx": load_mlx}
 
 
 def seconds_to_ready(args: argparse.Namespace) -> float:
@@ -186,11 +197,14 @@ def bench_model(args: argparse.Namespace, bandwidth: tuple[float, float], first:
 
     prompt = np.random.default_rng(0).integers(min(100, config.vocab_size // 2), config.vocab_size,
                                                args.prompt_tokens).tolist()
-    engine.prefill(engine.new_cache(8), prompt[:8])  # warm up: BLAS threads, first-call setup
-    prompt_tps = bench_prompt(engine, prompt)
     decode_prompt = prompt[:32]
-    decode_tps, decode_step = bench_decode(engine, decode_prompt, args.decode_tokens, 1)
-    batch_tps, batch_step = bench_decode(engine, decode_prompt, args.decode_tokens // 2, args.streams)
+
+    def direct() -> tuple[float, float, float, float, float]:
+        engine.prefill(engine.new_cache(8), prompt[:8])  # warm up: BLAS threads, first-call setup
+        return (bench_prompt(engine, prompt), *bench_decode(engine, decode_prompt, args.decode_tokens, 1),
+                *bench_decode(engine, decode_prompt, args.decode_tokens // 2, args.streams))
+
+    prompt_tps, decode_tps, decode_step, batch_tps, batch_step = on_a_thread_that_ends(direct)
     gemv_bw, copy_bw = bandwidth
     bound = gemv_bw / loaded.bytes_per_token
 
@@ -226,6 +240,27 @@ def bench_model(args: argparse.Namespace, bandwidth: tuple[float, float], first:
         print(f"{label:<{width}}  {value}")
     print(flush=True)
     return line
+
+
+def on_a_thread_that_ends(fn: Callable[[], T]) -> T:
+    """`fn()` on a thread of its own, which then ends. libgomp keeps a team of threads for each
+    thread that ran a parallel region, and once it has more threads than cores they stop spinning
+    between regions: the NumPy engine's kernels would then run slower on the scheduler's thread
+    (--speculate, mlx-lm's loop) than in a server, whose one worker thread runs them all."""
+    outcome: list[T | BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(fn())
+        except BaseException as exc:  # noqa: BLE001  (raised again on the calling thread)
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
 
 
 def print_summary(lines: list[dict[str, object]], args: argparse.Namespace) -> None:

@@ -13,6 +13,7 @@ import pytest
 from lmserve.engine_cpu import CPUEngine
 from lmserve.engine_cpu import ops as ops_module
 from lmserve.engine_cpu import weights as weights_module
+from lmserve.engine_cpu.engine import kernels_available
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
 from tests.families import Fixture, check_against_references, fixtures, references
@@ -128,14 +129,15 @@ def test_refuses_weights_that_do_not_fit(monkeypatch: pytest.MonkeyPatch) -> Non
     fixture = Fixture("gemma3", "Q4_K_M")
     gguf = GGUFFile(fixture.path)
     config = ModelConfig.from_gguf(gguf)
-    need = 4 * config.n_params  # tied embeddings: the one tensor counted once
+    quantized = kernels_available()
+    need = weights_module.weight_bytes(gguf, quantized)
     allocated = []
     monkeypatch.setattr(weights_module._Loader, "__init__",
                         lambda self, *a: allocated.append(a) or pytest.fail("allocated before the check"))
     with pytest.raises(ModelLoadError) as info:
         CPUEngine(gguf, config, available_memory=need - 1)
     message = str(info.value)
-    assert message.startswith(f"the NumPy engine needs {need / 2**20:.0f} MiB for this model's weights in float32 (")
+    assert message.startswith(f"the NumPy engine needs {need / 2**20:.0f} MiB for this model's weights (")
     assert f"x the {fixture.path.stat().st_size / 2**20:.0f} MiB file) but {(need - 1) / 2**20:.0f} MiB is available" \
         in message
     assert "--engine mlx" in message and "smaller quant" in message and not allocated
@@ -144,17 +146,27 @@ def test_refuses_weights_that_do_not_fit(monkeypatch: pytest.MonkeyPatch) -> Non
     import psutil
 
     real = psutil.virtual_memory
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: real()._replace(available=3 << 30))
-    big = ModelConfig(**{**config.__dict__, "n_params": 2 << 30})
-    with pytest.raises(ModelLoadError, match=r"needs 8\.0 GiB .* but 3\.0 GiB is available"):
-        CPUEngine(gguf, big)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real()._replace(available=need - 1))
+    with pytest.raises(ModelLoadError, match=f"but {(need - 1) / 2**20:.0f} MiB is available"):
+        CPUEngine(gguf, config)
+
+
+def test_weight_bytes_count_float32_and_the_kept_quants() -> None:
+    """Float32 is 4 bytes a parameter; kept Q4_K/Q6_K matrices are int8 plus a float32 scale and
+    offset per block, the rest (norms) float32."""
+    gguf = GGUFFile(Fixture("gemma3", "Q4_K_M").path)
+    config = ModelConfig.from_gguf(gguf)
+    assert weights_module.weight_bytes(gguf, quantized=False) == 4 * config.n_params
+    assert 1.25 * config.n_params < weights_module.weight_bytes(gguf, quantized=True) < 1.6 * config.n_params
 
 
 def test_loads_when_the_weights_fit_exactly() -> None:
     gguf = GGUFFile(Fixture("qwen3moe", "Q8_0").path)
     config = ModelConfig.from_gguf(gguf)
-    e = CPUEngine(gguf, config, available_memory=4 * config.n_params)
-    assert e.weight_bytes == 4 * config.n_params
+    for quantized in {False, kernels_available()}:
+        need = weights_module.weight_bytes(gguf, quantized)
+        e = CPUEngine(gguf, config, available_memory=need, quantized=quantized)
+        assert e.weight_bytes == need
 
 
 def test_partial_rotary_rotates_the_first_dimensions_only() -> None:

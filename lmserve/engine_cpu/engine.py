@@ -1,4 +1,7 @@
-"""The NumPy engine: the Engine protocol on dequantized float32 weights, for any CPU.
+"""The NumPy engine: the Engine protocol on any CPU, activations in float32.
+
+Weight matrices stay in the file's quants where compiled kernels can read them (`qmatrix`), and
+are dequantized to float32 otherwise.
 
 A step stacks the hidden states of every row it advances (all prompt tokens in prefill, one token
 per sequence in batched decode), so each weight matrix is read once per step; only attention runs
@@ -31,23 +34,27 @@ PREFILL_CHUNK = 256  # prompt tokens per forward pass: bounds the attention scor
 
 class CPUEngine(Engine[CPUCache]):
     """Every family of `model/families.py` (Llama, Mistral, Qwen2, Qwen3, Qwen3 MoE, Gemma 3,
-    Phi-3, gpt-oss) on NumPy float32."""
+    Phi-3, gpt-oss) on NumPy float32 and quantized-matrix kernels."""
 
     name = "cpu"
     kv_dtype_bytes = 4  # keys and values are cached as float32
-    quant_summary = ""  # every type is dequantized to float32: nothing is converted to report
+    quant_summary = ""  # the file's own values are kept (quantized or float32): nothing converted to report
     device_argmax = False  # the logits are on the host already: an argmax here saves nothing
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig,
                  progress: Callable[[int, int], None] | None = None,
-                 available_memory: int | None = None) -> None:
+                 available_memory: int | None = None, quantized: bool | None = None) -> None:
         """`available_memory`: bytes the weights may take (None: what psutil reports available);
-        a model whose float32 weights need more is refused with `ModelLoadError`."""
+        a model whose weights need more is refused with `ModelLoadError`. `quantized`: keep
+        quantized matrices quantized (None: when the compiled kernels run here; False: float32
+        throughout, the reference arithmetic)."""
         self.config = config
-        self.weights = load_weights(gguf, config, progress, available_memory)
+        quantized = kernels_available() if quantized is None else quantized
+        self.weights = load_weights(gguf, config, progress, available_memory, quantized)
         self._activation = ops.GATED_ACTIVATIONS[config.activation]
         self.weight_bytes = self.weights.nbytes
-        self.device = f"numpy float32 ({len(os.sched_getaffinity(0))} cpus)"
+        kind = "int8-block kernels" if quantized else "float32"
+        self.device = f"numpy, {kind} ({len(os.sched_getaffinity(0))} cpus)"
 
     # -- caches ------------------------------------------------------------------------------
 
@@ -199,6 +206,15 @@ class CPUEngine(Engine[CPUCache]):
     def _logits(self, h: np.ndarray) -> np.ndarray:
         """Final norm and output head: `[n, hidden]` -> `[n, vocab]`."""
         return ops.linear(ops.rms_norm(h, self.weights.output_norm, self.config.rms_eps), self.weights.output)
+
+
+def kernels_available() -> bool:
+    """Whether the quantized-matrix kernels run here (numba is not installed on macOS)."""
+    try:
+        from lmserve.engine_cpu import kernels
+    except ImportError:
+        return False
+    return kernels.available()
 
 
 def _own(cache: object) -> CPUCache:

@@ -1,4 +1,4 @@
-"""The NumPy building blocks of the forward pass, all in float32."""
+"""The NumPy building blocks of the forward pass, all in float32 (weights may be quantized)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 
+from lmserve.engine_cpu.qmatrix import QuantMatrix
 from lmserve.model.families import GELU_TANH, SILU, SWIGLU_OAI
 
 
@@ -32,11 +33,14 @@ BLOCK_BYTES = (3 << 19) * _cpus()
 GROUP = 16 * _cpus()
 
 
-def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """`x [n, in]` times `w [out, in]` transposed, in the order measured fastest for `n`. Up to
+def linear(x: np.ndarray, w: np.ndarray | QuantMatrix) -> np.ndarray:
+    """`x [n, in]` times `w [out, in]` transposed (a QuantMatrix runs its own kernels). For float32
+    weights, in the order measured fastest for `n`: up to
     GEMV_ROWS rows each row's result is, up to rounding and bit for bit where the matrix splits into
     whole groups (SmolLM2 on 2 CPUs), that row's alone: a sequence decodes to the same logits
     whatever it is batched with."""
+    if isinstance(w, QuantMatrix):
+        return w.times(x)
     n = len(x)
     if n == 1:
         return (w @ x[0])[None]

@@ -13,7 +13,9 @@ one `gguf` call per 64K values rather than one per 16 rows. A thread pool of 2 w
 (1.2-1.5 s against 0.7 s for SmolLM2): the `gguf` dequantizers are many small NumPy calls that
 hold the GIL.
 
-Everything is float32, about 4 bytes per parameter whatever the file's quant, so `load_weights`
+Weight matrices whose quant type `quant_blocks` unpacks stay quantized when the compiled kernels
+are available (`QuantMatrix`: 1.25-1.5 bytes a value, the file's own values); everything else
+(norms, biases, MoE experts, other quant types) is float32, 4 bytes a value. `load_weights`
 first checks that this fits in the memory available and refuses with the arithmetic if not.
 """
 
@@ -30,6 +32,8 @@ import psutil
 from gguf import MODEL_TENSOR, TENSOR_NAMES
 from gguf import quants as gguf_quants
 
+from lmserve.engine_cpu.qmatrix import QuantMatrix
+from lmserve.engine_cpu.quant_blocks import SUPPORTED, unpack
 from lmserve.model.config import ROPE_INTERLEAVED, ModelConfig, YarnScaling
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
 
@@ -41,13 +45,14 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers
 FLOAT32_BYTES = 4
 
 Progress = Callable[[int, int], None]
+Matrix = np.ndarray | QuantMatrix
 
 
 @dataclass
 class ExpertWeights:
     """A mixture-of-experts FFN: the router and every expert, stacked on a leading expert axis."""
 
-    router: np.ndarray  # [experts, hidden]
+    router: Matrix  # [experts, hidden]
     router_bias: np.ndarray | None  # gpt-oss
     gate_up: np.ndarray  # [experts, 2 * ffn, hidden]: each expert's gate rows, then its up rows
     gate_up_bias: np.ndarray | None  # [experts, 2 * ffn]
@@ -60,14 +65,14 @@ class LayerWeights:
     """One transformer block. Matrices are `[out, in]`; biases and norms are vectors."""
 
     attn_norm: np.ndarray
-    qkv: np.ndarray  # rows: Q heads, then K heads, then V heads
+    qkv: Matrix  # rows: Q heads, then K heads, then V heads
     qkv_bias: np.ndarray | None  # qwen2, gpt-oss
     q_norm: np.ndarray | None  # qwen3, gemma3: per-head RMSNorm weight [head_dim]
     k_norm: np.ndarray | None
-    o: np.ndarray
+    o: Matrix
     ffn_norm: np.ndarray
-    gate_up: np.ndarray | None  # rows: gate, then up (None: the FFN is `experts`)
-    down: np.ndarray | None
+    gate_up: Matrix | None  # rows: gate, then up (None: the FFN is `experts`)
+    down: Matrix | None
     o_bias: np.ndarray | None = None  # gpt-oss
     sinks: np.ndarray | None = None  # gpt-oss: one extra softmax logit per query head [heads]
     post_attn_norm: np.ndarray | None = None  # gemma3: on the attention output, before the residual
@@ -90,10 +95,10 @@ class Rope:
 class ModelWeights:
     """Every weight the forward pass reads. `output` is `embed` itself when embeddings are tied."""
 
-    embed: np.ndarray
+    embed: Matrix
     layers: list[LayerWeights]
     output_norm: np.ndarray
-    output: np.ndarray
+    output: Matrix
     rope: Rope
     rope_local: Rope | None = None  # the sliding layers' own (Gemma 3)
 
@@ -105,7 +110,7 @@ class ModelWeights:
             for group in (layer, layer.experts):
                 for f in fields(group) if group is not None else ():
                     value = getattr(group, f.name)
-                    if isinstance(value, np.ndarray):
+                    if isinstance(value, np.ndarray | QuantMatrix):
                         arrays[id(value)] = value
         return sum(a.nbytes for a in arrays.values())
 
@@ -127,11 +132,12 @@ class _Loader:
     stream needs fewer TLB entries. Untouched arena tail is never backed by memory.
     """
 
-    def __init__(self, gguf: GGUFFile, head_dim: int) -> None:
+    def __init__(self, gguf: GGUFFile, head_dim: int, quantized: bool) -> None:
         self.gguf = gguf
         self.head_dim = head_dim
+        self.quantized = quantized  # keep matrices of the types `quant_blocks` unpacks as QuantMatrix
         # (tensor, destination, heads permuted, first row of the tensor it holds)
-        self.jobs: list[tuple[str, np.ndarray, bool, int]] = []
+        self.jobs: list[tuple[str, Matrix, bool, int]] = []
         size = sum(info.n_elements + ALIGN for info in gguf.tensors.values())
         self._arena = np.empty(size, dtype=np.float32)
         self._used = 0
@@ -147,17 +153,38 @@ class _Loader:
         self._add(name, out)
         return out
 
-    def fused(self, names: list[str], permuted: tuple[bool, ...] | None = None) -> np.ndarray:
-        """Several tensors stacked along their first axis into one contiguous array."""
+    def matrix(self, name: str, shape: tuple[int, int]) -> Matrix:
+        """A weight matrix to be filled from one tensor: quantized if its type allows."""
+        if not self._quantizable([name]):
+            return self.tensor(name, shape)
+        if self._info(name) != shape:
+            raise ModelLoadError(f"tensor {name} has shape {self._info(name)}, expected {shape}")
+        return self.fused([name])
+
+    def fused(self, names: list[str], permuted: tuple[bool, ...] | None = None) -> Matrix:
+        """Several tensors stacked along their first axis into one contiguous array, or one
+        QuantMatrix when all are quantizable matrices (with the finest block size among them)."""
         shapes = [self._info(name) for name in names]
         if len({shape[1:] for shape in shapes}) != 1:
             raise ModelLoadError(f"cannot fuse tensors of shapes {shapes}: {names}")
-        out = self._alloc((sum(shape[0] for shape in shapes), *shapes[0][1:]))
+        rows = sum(shape[0] for shape in shapes)
+        out: Matrix
+        if self._quantizable(names):
+            block = min(SUPPORTED[self.gguf.tensors[name].qtype] for name in names)
+            out = QuantMatrix.empty(rows, shapes[0][1], block)
+        else:
+            out = self._alloc((rows, *shapes[0][1:]))
         row = 0
         for i, (name, shape) in enumerate(zip(names, shapes, strict=True)):
-            self._add(name, out[row:row + shape[0]], bool(permuted and permuted[i]))
+            part = out.rows(row, row + shape[0]) if isinstance(out, QuantMatrix) else out[row:row + shape[0]]
+            self._add(name, part, bool(permuted and permuted[i]))
             row += shape[0]
         return out
+
+    def _quantizable(self, names: list[str]) -> bool:
+        return self.quantized and all(
+            len(self._info(name)) == 2 and self.gguf.tensors[name].qtype in SUPPORTED for name in names)
+
 
     def fused_experts(self, names: list[str]) -> np.ndarray:
         """Per-expert tensors `[experts, rows_i, ...]` stacked along their second axis, so each
@@ -175,7 +202,7 @@ class _Loader:
             row += shape[1]
         return out
 
-    def _add(self, name: str, out: np.ndarray, heads_permuted: bool = False) -> None:
+    def _add(self, name: str, out: Matrix, heads_permuted: bool = False) -> None:
         if self._info(name) != out.shape:
             raise ModelLoadError(f"tensor {name} has shape {self._info(name)}, expected {out.shape}")
         self.jobs.append((name, out, heads_permuted, 0))
@@ -191,7 +218,10 @@ class _Loader:
         total = len({name for name, *_ in self.jobs})
         done = 0
         for i, (name, out, heads_permuted, first_row) in enumerate(self.jobs):
-            self._dequantize_into(name, out, heads_permuted, first_row)
+            if isinstance(out, QuantMatrix):
+                self._unpack_into(name, out, heads_permuted)
+            else:
+                self._dequantize_into(name, out, heads_permuted, first_row)
             if progress is not None and (i + 1 == len(self.jobs) or self.jobs[i + 1][0] != name):
                 done += 1
                 progress(done, total)
@@ -224,6 +254,27 @@ class _Loader:
             table[start:start + len(part)] = part
 
 
+    def _unpack_into(self, name: str, out: QuantMatrix, heads_permuted: bool) -> None:
+        """Fill `out` with the tensor's own quants, a few rows at a time (rows permuted as in
+        `_dequantize_into`); a coarser block's scale and offset repeat over `out`'s finer blocks."""
+        info = self.gguf.tensors[name]
+        columns = info.shape[-1]
+        rows = np.asarray(self.gguf.raw(name)).reshape(len(out), -1)
+        step = max(1, CHUNK_ELEMENTS // columns)
+        if heads_permuted:
+            step = -(-step // self.head_dim) * self.head_dim
+        repeat = SUPPORTED[info.qtype] // out.block
+        for start in range(0, len(out), step):
+            parts = unpack(rows[start:start + step], info.qtype, columns)
+            for part, table in zip(parts, (out.q, out.scale, out.offset), strict=True):
+                if part is not parts[0] and repeat > 1:
+                    part = np.repeat(part, repeat, axis=1)
+                if heads_permuted:
+                    part = part.reshape(-1, self.head_dim // 2, 2, part.shape[1]).transpose(0, 2, 1, 3)
+                part = part.reshape(-1, table.shape[1])
+                table[start:start + len(part)] = part
+
+
 def _retain_freed_heap() -> None:
     """Stop glibc from handing freed heap memory back to the kernel after every chunk.
 
@@ -246,37 +297,48 @@ def _size(n: float) -> str:
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
 
 
-def check_memory(gguf: GGUFFile, config: ModelConfig, available: int | None = None) -> int:
-    """Refuse a model whose float32 weights do not fit in `available` bytes (None: what psutil
-    reports available now); returns the bytes the weights will take."""
-    need = FLOAT32_BYTES * config.n_params  # a tied output head is one tensor, counted once
+def weight_bytes(gguf: GGUFFile, quantized: bool) -> int:
+    """Bytes the loaded weights take: a matrix of a type `quant_blocks` unpacks 1 + 8 / block a
+    value when `quantized`, everything else 4 (a tied head is one tensor, counted once; a fused
+    matrix that mixes block sizes takes the finer one's, up to 1/4 byte a value more)."""
+    total = 0
+    for info in gguf.tensors.values():
+        block = SUPPORTED.get(info.qtype) if quantized and len(info.shape) == 2 else None
+        total += info.n_elements + 8 * info.n_elements // block if block else FLOAT32_BYTES * info.n_elements
+    return total
+
+
+def check_memory(gguf: GGUFFile, quantized: bool, available: int | None = None) -> None:
+    """Refuse a model whose weights do not fit in `available` bytes (None: what psutil reports
+    available now)."""
+    need = weight_bytes(gguf, quantized)
     available = psutil.virtual_memory().available if available is None else available
     if need > available:
         file_bytes = gguf.path.stat().st_size
         raise ModelLoadError(
-            f"the NumPy engine needs {_size(need)} for this model's weights in float32 "
+            f"the NumPy engine needs {_size(need)} for this model's weights "
             f"({need / file_bytes:.1f}x the {_size(file_bytes)} file) but {_size(available)} is available; "
             "on a Mac use --engine mlx (it keeps the quantized weights), or pick a smaller quant/model")
-    return need
 
 
 def load_weights(gguf: GGUFFile, config: ModelConfig, progress: Progress | None = None,
-                 available_memory: int | None = None) -> ModelWeights:
-    """Dequantize every tensor the forward pass needs into fused float32 matrices, after checking
-    that they fit in memory (`available_memory` bytes; None: ask psutil)."""
+                 available_memory: int | None = None, quantized: bool = False) -> ModelWeights:
+    """Load every tensor the forward pass needs into fused matrices (quantized ones kept as
+    QuantMatrix when `quantized`, the rest float32), after checking that they fit in memory
+    (`available_memory` bytes; None: ask psutil)."""
     c = config
-    check_memory(gguf, c, available_memory)
+    check_memory(gguf, quantized, available_memory)
     _retain_freed_heap()
     if c.head_dim % 2 or c.rotary_dims % 2:
         raise ModelLoadError(f"head dimension {c.head_dim} (rotated: {c.rotary_dims}) is odd; RoPE needs pairs")
-    loader = _Loader(gguf, c.head_dim)
+    loader = _Loader(gguf, c.head_dim, quantized)
     permute = c.rope_style == ROPE_INTERLEAVED
-    embed = loader.tensor(_name(MODEL_TENSOR.TOKEN_EMBD), (c.vocab_size, c.hidden_size))
+    embed = loader.matrix(_name(MODEL_TENSOR.TOKEN_EMBD), (c.vocab_size, c.hidden_size))
     layers = [_layer(loader, c, i, permute) for i in range(c.n_layers)]
     output_norm = loader.tensor(_name(MODEL_TENSOR.OUTPUT_NORM), (c.hidden_size,))
     output = embed
     if not c.tied_embeddings:
-        output = loader.tensor(_name(MODEL_TENSOR.OUTPUT), (c.vocab_size, c.hidden_size))
+        output = loader.matrix(_name(MODEL_TENSOR.OUTPUT), (c.vocab_size, c.hidden_size))
     loader.run(progress)
     global_rope = _rope(gguf, c, c.rope_theta, c.rope_linear_factor)
     local_rope = None
@@ -291,7 +353,7 @@ def _layer(loader: _Loader, c: ModelConfig, i: int, permute: bool) -> LayerWeigh
     hidden, q_rows, kv_rows = c.hidden_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     qkv_kinds = (MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V)
     if c.fused_qkv:  # Phi-3: one tensor, rows Q then K then V
-        qkv = loader.tensor(_name(MODEL_TENSOR.ATTN_QKV, i), (q_rows + 2 * kv_rows, hidden))
+        qkv = loader.matrix(_name(MODEL_TENSOR.ATTN_QKV, i), (q_rows + 2 * kv_rows, hidden))
         qkv_bias = None
         if _bias(MODEL_TENSOR.ATTN_QKV, i) in tensors:
             qkv_bias = loader.tensor(_bias(MODEL_TENSOR.ATTN_QKV, i), (q_rows + 2 * kv_rows,))
@@ -310,10 +372,10 @@ def _layer(loader: _Loader, c: ModelConfig, i: int, permute: bool) -> LayerWeigh
         experts = _experts(loader, c, i)
     else:
         if c.fused_gate_up:  # Phi-3: `ffn_up` holds the gate rows, then the up rows
-            gate_up = loader.tensor(_name(MODEL_TENSOR.FFN_UP, i), (2 * c.ffn_size, hidden))
+            gate_up = loader.matrix(_name(MODEL_TENSOR.FFN_UP, i), (2 * c.ffn_size, hidden))
         else:
             gate_up = loader.fused([_name(MODEL_TENSOR.FFN_GATE, i), _name(MODEL_TENSOR.FFN_UP, i)])
-        down = loader.tensor(_name(MODEL_TENSOR.FFN_DOWN, i), (hidden, c.ffn_size))
+        down = loader.matrix(_name(MODEL_TENSOR.FFN_DOWN, i), (hidden, c.ffn_size))
     sliding = i < len(c.sliding_layers) and c.sliding_layers[i] and c.sliding_window > 0
     return LayerWeights(
         attn_norm=loader.tensor(_name(MODEL_TENSOR.ATTN_NORM, i), (hidden,)),
@@ -321,7 +383,7 @@ def _layer(loader: _Loader, c: ModelConfig, i: int, permute: bool) -> LayerWeigh
         qkv_bias=qkv_bias,
         q_norm=loader.tensor(_name(MODEL_TENSOR.ATTN_Q_NORM, i), (c.head_dim,)) if c.qk_norm else None,
         k_norm=loader.tensor(_name(MODEL_TENSOR.ATTN_K_NORM, i), (c.head_dim,)) if c.qk_norm else None,
-        o=loader.tensor(_name(MODEL_TENSOR.ATTN_OUT, i), (hidden, q_rows)),
+        o=loader.matrix(_name(MODEL_TENSOR.ATTN_OUT, i), (hidden, q_rows)),
         o_bias=loader.tensor(_bias(MODEL_TENSOR.ATTN_OUT, i), (hidden,)) if c.o_bias else None,
         sinks=loader.tensor(_name(MODEL_TENSOR.ATTN_SINKS, i), (c.n_heads,)) if c.attn_sinks else None,
         post_attn_norm=loader.tensor(_name(MODEL_TENSOR.ATTN_POST_NORM, i), (hidden,)) if c.post_norms else None,
@@ -344,7 +406,7 @@ def _experts(loader: _Loader, c: ModelConfig, i: int) -> ExpertWeights:
         raise ModelLoadError(f"expert tensors of layer {i} have shape {gate_up.shape}, expected {(n, 2 * ffn, hidden)}")
     bias = c.expert_bias
     return ExpertWeights(
-        router=loader.tensor(_name(MODEL_TENSOR.FFN_GATE_INP, i), (n, hidden)),
+        router=loader.matrix(_name(MODEL_TENSOR.FFN_GATE_INP, i), (n, hidden)),
         router_bias=loader.tensor(_bias(MODEL_TENSOR.FFN_GATE_INP, i), (n,)) if bias else None,
         gate_up=gate_up,
         gate_up_bias=loader.fused_experts([_bias(gate, i), _bias(up, i)]) if bias else None,

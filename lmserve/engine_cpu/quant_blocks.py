@@ -1,0 +1,195 @@
+"""Unpack GGUF quantized blocks into int8 values plus per-block float32 scale and offset.
+
+The NumPy engine keeps quantized weight matrices quantized in memory (about 1 byte per weight
+instead of 4 for float32) and lets a compiled kernel do the dot products. That kernel wants one
+uniform layout whatever the file's quant type: int8 `q [rows, columns]` and float32
+`scale, offset [rows, columns // B]` such that each weight is `scale[block] * q + offset[block]`.
+`unpack` produces it from the raw GGUF block bytes, mirroring `gguf.quants`' own dequantizers
+(float16 fields widened to float32, scale products formed in float32 as gguf forms them) so that
+`scale * q + offset` in float32 gives gguf's values.
+
+Per type (`B` the block size of the unpacked scales):
+
+- Q4_0 `d*(q-8)`, Q5_0 `d*(q-16)`, Q8_0 `d*q`: centered q, scale d, offset 0 (B=32).
+- Q4_1, Q5_1 `d*q + m`: unsigned q, scale d, offset m (B=32).
+- Q4_K, Q5_K: 8 sub-blocks of 32 per 256-superblock, `d*sc*q - dmin*m` with 6-bit sc and m:
+  scale `d*sc`, offset `-(dmin*m)` (B=32).
+- Q6_K: 16 sub-blocks of 16, `d*sc*(q-32)` with int8 sc: q-32, scale `d*sc`, offset 0 (B=16).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
+
+_T = GGMLQuantizationType
+
+SUPPORTED: dict[GGMLQuantizationType, int] = {
+    _T.Q4_0: 32,
+    _T.Q4_1: 32,
+    _T.Q5_0: 32,
+    _T.Q5_1: 32,
+    _T.Q8_0: 32,
+    _T.Q4_K: 32,
+    _T.Q5_K: 32,
+    _T.Q6_K: 16,
+}
+
+Unpacked = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def unpack(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> Unpacked:
+    """rows: uint8 array [n_rows, bytes_per_row] of raw GGUF blocks (each row = `columns` values).
+    Returns q int8 [n_rows, columns], scale float32 [n_rows, columns // B], offset float32
+    [n_rows, columns // B] with B = SUPPORTED[qtype], such that scale*q + offset reproduces
+    gguf.quants.dequantize."""
+    if qtype not in SUPPORTED:
+        raise ValueError(f"unpack does not support {qtype.name}; supported: {', '.join(t.name for t in SUPPORTED)}")
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    rows = np.asarray(rows)
+    if rows.dtype != np.uint8:
+        rows = rows.view(np.uint8)
+    if columns <= 0 or columns % block:
+        raise ValueError(f"{qtype.name}: {columns} columns is not a positive multiple of the block size {block}")
+    if rows.ndim != 2 or rows.shape[1] != columns // block * type_size:
+        raise ValueError(f"{qtype.name}: rows of shape {rows.shape} do not hold {columns} values each "
+                         f"(expected [n_rows, {columns // block * type_size}])")
+    n_rows = rows.shape[0]
+    q, scale, offset = _UNPACKERS[qtype](rows.reshape(-1, type_size))
+    return q.reshape(n_rows, columns), scale.reshape(n_rows, -1), offset.reshape(n_rows, -1)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _half(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The float16 field at byte `start` of every block, widened to float32: shape [n_blocks]."""
+    return np.ascontiguousarray(blocks[:, start:start + 2]).view(np.float16)[:, 0].astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray, groups: int, width: int) -> np.ndarray:
+    """[n, groups * width] bytes -> uint8 [n, groups, 2, width]: each group's low nibbles, then
+    its high nibbles (the order every GGUF 4-bit layout uses)."""
+    packed = packed.reshape(-1, groups, width)
+    out = np.empty((packed.shape[0], groups, 2, width), dtype=np.uint8)
+    np.bitwise_and(packed, np.uint8(0x0F), out=out[:, :, 0])
+    np.right_shift(packed, np.uint8(4), out=out[:, :, 1])
+    return out
+
+
+def _add_high_bits(q: np.ndarray, bits: np.ndarray, shift: int) -> None:
+    """q |= bits << shift, in place (both uint8 of the same shape)."""
+    np.left_shift(bits, np.uint8(shift), out=bits)
+    np.bitwise_or(q, bits, out=q)
+
+
+def _center(q: np.ndarray, zero: int) -> np.ndarray:
+    """q - zero as int8 (uint8 arithmetic wraps to the right two's complement value)."""
+    np.subtract(q, np.uint8(zero), out=q)
+    return q.view(np.int8)
+
+
+def _qh_bits32(qh: np.ndarray) -> np.ndarray:
+    """A 32-bit little-endian high-bit mask per block [n, 4] -> uint8 [n, 32], bit i at index i."""
+    return np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 packed bytes -> the 8 six-bit scales and 8 six-bit mins (gguf's get_scale_min)."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, m_d = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _zeros(n_blocks: int, per_block: int) -> np.ndarray:
+    return np.zeros((n_blocks, per_block), dtype=np.float32)
+
+
+# -- the formats -----------------------------------------------------------------------------
+
+
+def _q4_0(blocks: np.ndarray) -> Unpacked:
+    d = _half(blocks, 0)
+    q = _center(_nibbles(blocks[:, 2:], 1, 16), 8)
+    return q, d, _zeros(len(blocks), 1)
+
+
+def _q4_1(blocks: np.ndarray) -> Unpacked:
+    d, m = _half(blocks, 0), _half(blocks, 2)
+    q = _nibbles(blocks[:, 4:], 1, 16).view(np.int8)
+    return q, d, m
+
+
+def _q5_0(blocks: np.ndarray) -> Unpacked:
+    d = _half(blocks, 0)
+    q = _nibbles(blocks[:, 6:], 1, 16).reshape(-1, 32)
+    _add_high_bits(q, _qh_bits32(blocks[:, 2:6]), 4)
+    return _center(q, 16), d, _zeros(len(blocks), 1)
+
+
+def _q5_1(blocks: np.ndarray) -> Unpacked:
+    d, m = _half(blocks, 0), _half(blocks, 2)
+    q = _nibbles(blocks[:, 8:], 1, 16).reshape(-1, 32)
+    _add_high_bits(q, _qh_bits32(blocks[:, 4:8]), 4)
+    return q.view(np.int8), d, m
+
+
+def _q8_0(blocks: np.ndarray) -> Unpacked:
+    d = _half(blocks, 0)
+    q = blocks[:, 2:].copy().view(np.int8)  # always a copy, never a view of the (read-only) map
+    return q, d, _zeros(len(blocks), 1)
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K header (d, dmin, 12 scale bytes) -> scale d*sc and offset -(dmin*m), [n, 8]."""
+    d, dmin = _half(blocks, 0), _half(blocks, 2)
+    sc, mn = _k_scale_min(blocks[:, 4:16])
+    scale = d[:, None] * sc.astype(np.float32)
+    offset = dmin[:, None] * mn.astype(np.float32)
+    np.negative(offset, out=offset)
+    return scale, offset
+
+
+def _q4_k(blocks: np.ndarray) -> Unpacked:
+    scale, offset = _k_scales(blocks)
+    q = _nibbles(blocks[:, 16:], QK_K // 64, 32)  # [n, 4, 2, 32] = sub-blocks 0..7 of 32
+    return q.view(np.int8), scale, offset
+
+
+def _q5_k(blocks: np.ndarray) -> Unpacked:
+    scale, offset = _k_scales(blocks)
+    qh = np.ascontiguousarray(blocks[:, 16:48])  # bit i of byte l: high bit of sub-block i, value l
+    q = _nibbles(blocks[:, 48:], QK_K // 64, 32).reshape(-1, 8, 32)
+    bits = np.unpackbits(qh[:, None, :], axis=1, count=8, bitorder="little")  # [n, 8, 32]
+    _add_high_bits(q, bits, 4)
+    return q.view(np.int8), scale, offset
+
+
+def _q6_k(blocks: np.ndarray) -> Unpacked:
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
+    d = _half(blocks, 208)
+    q = _nibbles(ql, 2, 64).reshape(-1, 2, 4, 32)  # each half's 128 values: 4 runs of 32
+    qh = qh.reshape(-1, 2, 1, 32)
+    hi = np.empty_like(q)
+    for k in range(4):  # 2-bit fields of qh: run k of each half
+        np.right_shift(qh[:, :, 0], np.uint8(2 * k), out=hi[:, :, k])
+    np.bitwise_and(hi, np.uint8(0x03), out=hi)
+    _add_high_bits(q, hi, 4)
+    return _center(q, 32), d[:, None] * sc, _zeros(len(blocks), QK_K // 16)
+
+
+_UNPACKERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Unpacked]] = {
+    _T.Q4_0: _q4_0,
+    _T.Q4_1: _q4_1,
+    _T.Q5_0: _q5_0,
+    _T.Q5_1: _q5_1,
+    _T.Q8_0: _q8_0,
+    _T.Q4_K: _q4_k,
+    _T.Q5_K: _q5_k,
+    _T.Q6_K: _q6_k,
+}

@@ -1,0 +1,109 @@
+"""Quantized matrices on the NumPy engine: the compiled kernels against float32 arithmetic, and the
+engine that keeps the file's quants against the float32 one."""
+
+from __future__ import annotations
+
+import sys
+from functools import cache
+
+import numpy as np
+import pytest
+
+from lmserve.engine_cpu import CPUEngine
+from lmserve.engine_cpu.engine import kernels_available
+from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, QuantMatrix
+from lmserve.model.config import ModelConfig
+from lmserve.model.default_model import default_model_path
+from lmserve.model.gguf_file import GGUFFile
+
+pytestmark = pytest.mark.skipif(sys.platform == "darwin", reason="numba is not installed on macOS (MLX serves)")
+
+
+def random_matrix(rows: int, columns: int, block: int, seed: int = 0) -> tuple[QuantMatrix, np.ndarray]:
+    """A QuantMatrix of random quants and the float32 matrix of its values."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-32, 32, (rows, columns), dtype=np.int8)
+    scale = rng.uniform(0.001, 0.02, (rows, columns // block)).astype(np.float32)
+    offset = rng.uniform(-0.3, 0.3, (rows, columns // block)).astype(np.float32)
+    values = q.reshape(rows, -1, block) * scale[:, :, None] + offset[:, :, None]
+    return QuantMatrix(q, scale, offset), values.reshape(rows, columns).astype(np.float32)
+
+
+def test_the_kernels_run_here() -> None:
+    """Linux CI must exercise them: without OpenMP (or numba) the engine quietly keeps float32."""
+    assert kernels_available()
+
+
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, KERNEL_ROWS, KERNEL_ROWS + 1, 70])
+def test_products_match_float32(block: int, rows: int) -> None:
+    """Every row count (the 4-, 2- and 1-row kernels, and BLAS on dequantized tiles past
+    KERNEL_ROWS) gives the float32 product up to rounding."""
+    matrix, values = random_matrix(201, 576, block)  # odd: the last tile repeats the last row
+    x = np.random.default_rng(1).standard_normal((rows, 576)).astype(np.float32)
+    got = matrix.times(x)
+    assert got.shape == (rows, 201) and got.dtype == np.float32
+    np.testing.assert_allclose(got, x.astype(np.float64) @ values.T.astype(np.float64), rtol=2e-5, atol=2e-5)
+
+
+def test_a_row_gets_the_same_bits_whatever_it_is_batched_with() -> None:
+    """Decode batches differ step to step; a sequence's logits must not."""
+    matrix, _ = random_matrix(97, 512, 32)
+    x = np.random.default_rng(2).standard_normal((KERNEL_ROWS, 512)).astype(np.float32)
+    batched = matrix.times(x)
+    for i in range(len(x)):
+        assert np.array_equal(matrix.times(x[i:i + 1])[0], batched[i])
+    assert np.array_equal(matrix.times(x[3:6]), batched[3:6])
+
+
+def test_embedding_rows_and_views() -> None:
+    matrix, values = random_matrix(40, 256, 16)
+    ids = np.array([5, 0, 39, 5])
+    np.testing.assert_allclose(matrix[ids], values[ids], rtol=1e-6, atol=1e-7)
+    part = matrix.rows(10, 20)
+    assert part.shape == (10, 256) and part.block == 16 and np.shares_memory(part.q, matrix.q)
+    assert matrix.nbytes == 40 * 256 + 2 * 4 * 40 * 16
+
+
+@cache
+def engines() -> tuple[CPUEngine, CPUEngine]:
+    gguf = GGUFFile(default_model_path())
+    config = ModelConfig.from_gguf(gguf)
+    return CPUEngine(gguf, config), CPUEngine(gguf, config, quantized=False)
+
+
+def test_the_engine_keeps_the_files_quants_in_a_third_of_the_bytes() -> None:
+    quantized, float32 = engines()
+    assert isinstance(quantized.weights.layers[0].qkv, QuantMatrix)
+    assert isinstance(quantized.weights.output, QuantMatrix)  # SmolLM2's tied Q8_0 embeddings
+    assert isinstance(float32.weights.layers[0].qkv, np.ndarray)
+    assert quantized.weight_bytes < float32.weight_bytes / 3
+    assert "int8-block kernels" in quantized.device and "float32" in float32.device
+
+
+def test_the_quantized_engine_decodes_as_the_float32_one() -> None:
+    """Same prompt, both engines: close logits at every step and the same greedy tokens, in
+    prefill (tiles through BLAS), one-row decode and a batched decode (kernels)."""
+    quantized, float32 = engines()
+    prompt = list(range(200, 240))
+    caches = [(e, e.new_cache(128)) for e in (quantized, float32)]
+    logits = [e.prefill(c, prompt) for e, c in caches]
+    for _ in range(6):
+        np.testing.assert_allclose(logits[0], logits[1], rtol=1e-3, atol=2e-3)
+        assert logits[0].argmax() == logits[1].argmax()
+        token = int(logits[1].argmax())
+        logits = [e.decode([c], [token])[0] for e, c in caches]
+    others = [quantized.new_cache(64) for _ in range(3)]
+    for c in others:
+        quantized.prefill(c, [1, 2, 3])
+    alone = quantized.decode([caches[0][1]], [7])[0]
+    quantized.truncate(caches[0][1], caches[0][1].length - 1)
+    together = quantized.decode([*others, caches[0][1]], [9, 8, 5, 7])[3]
+    assert np.array_equal(alone, together)
+
+
+def test_the_kernels_are_built_for_every_block_size_unpacked() -> None:
+    from lmserve.engine_cpu import kernels
+    from lmserve.engine_cpu.quant_blocks import SUPPORTED
+
+    assert set(SUPPORTED.values()) == set(kernels.BLOCK_SIZES)
