@@ -32,7 +32,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, NoReturn, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -503,11 +503,23 @@ def gather_ranks(group: mx.distributed.Group, weight_bytes: int) -> list[Rank]:
                  int(row[1] * 2**20)) for row in out]
 
 
+def refuse(group: mx.distributed.Group, exc: ModelLoadError) -> NoReturn:
+    """Every rank refuses alike: each says so, then waits for the others to have said so before
+    exiting (mlx.launch stops the rest the moment one rank exits; a CI run once lost two of three
+    ranks' lines that way)."""
+    print(f"lmserve: {exc}", file=sys.stderr, flush=True)
+    mx.eval(mx.distributed.all_sum(mx.array(1), group=group, stream=mx.cpu))
+    raise SystemExit(1)
+
+
 def load(gguf: GGUFFile, config: ModelConfig, mode: str, progress: Progress | None = None) -> LockstepEngine | None:
     """Build this rank's shard. Rank 0 gets its LockstepEngine; any other rank serves rank 0's
     commands here until the group stops and gets None (it must then exit, never binding HTTP)."""
     group = init_group()
-    check_shardable(config, mode, group.size())
+    try:
+        check_shardable(config, mode, group.size())
+    except ModelLoadError as exc:
+        refuse(group, exc)
     engine = ENGINES[mode](gguf, config, group, progress if group.rank() == 0 else None)
     ranks = gather_ranks(group, engine.weight_bytes)
     if group.rank() != 0:
