@@ -55,7 +55,7 @@ start = time.perf_counter()
 engine = Engine(gguf, config, **kwargs)
 seconds = time.perf_counter() - start
 peak, now = status("VmHWM"), status("VmRSS")
-source = getattr(engine, "weights_from", "dequantized to float32")
+source = getattr(engine, "weights_from", engine.device)
 print(json.dumps({"before": before, "peak": peak, "after": now, "seconds": seconds,
                   "weights": engine.weight_bytes, "source": source}))
 """
