@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lmserve.core.types import SamplingParams
-from lmserve.serving.sampling import Sampler, token_logprob
+from lmserve.serving.sampling import Sampler, _nucleus, token_logprob
 
 LOGITS = np.array([1.0, 3.0, 2.0, 0.5, 2.9], dtype=np.float32)
 # softmax(LOGITS) ~ [0.054, 0.402, 0.148, 0.033, 0.363]: by rank 1, 4, 2, 0, 3, cumulative
@@ -165,3 +165,16 @@ def test_logprob_shape_and_normalization():
     expected = np.log(softmax(LOGITS))
     assert abs(lp.logprob - expected[1]) < 1e-6
     assert [t.logprob for t in lp.top] == pytest.approx([expected[1], expected[4], expected[2]], abs=1e-6)
+
+
+@pytest.mark.parametrize("size", [10, 300, 49_152])
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999, 0.9999999])
+def test_the_nucleus_is_what_a_full_sort_gives(size: int, top_p: float) -> None:
+    """Ordering only the largest weights gives the fewest tokens reaching top_p, in a stable
+    full sort's order, ties included (weights rounded to few values, flat and peaked ones)."""
+    rng = np.random.default_rng(size)
+    for weights in (np.round(rng.random(size), 1) + 1e-3, np.exp(rng.standard_normal(size) * 4),
+                    np.ones(size), np.exp(-np.arange(size, dtype=np.float64))):
+        order = np.argsort(-weights, kind="stable")
+        end = int(np.searchsorted(np.cumsum(weights[order]), top_p * weights.sum())) + 1
+        assert np.array_equal(_nucleus(weights, top_p), order[:min(end, size)])

@@ -20,6 +20,37 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum())
 
 
+NUCLEUS_FIRST = 64  # the largest weights ordered first; four times as many while they fall short
+
+
+def _nucleus(weights: np.ndarray, top_p: float) -> np.ndarray:
+    """Indices of the fewest largest `weights` whose share of the total reaches `top_p`, largest
+    first, equal weights by index (a stable sort of all of them would give the same). Ordered a
+    few at a time: the nucleus is accepted only if it ends before the last of those ordered, on
+    a weight above theirs, so none left unordered could belong or come first."""
+    threshold = top_p * weights.sum()
+    count = NUCLEUS_FIRST
+    while True:
+        if count >= weights.size:
+            order = np.argsort(-weights, kind="stable")
+        else:
+            best = np.sort(np.argpartition(-weights, count)[:count])
+            order = best[np.argsort(-weights[best], kind="stable")]
+        end = int(np.searchsorted(np.cumsum(weights[order]), threshold)) + 1
+        if order.size == weights.size:
+            return order[:min(end, order.size)]
+        if end < order.size and weights[order[end - 1]] > weights[order[-1]]:
+            return order[:end]
+        count *= 4
+
+
+def _draw(rng: np.random.Generator, weights: np.ndarray) -> int:
+    """An index drawn with probability proportional to `weights`: what `rng.choice(n, p=...)` does
+    (one uniform draw against the cumulative weights) without its checks of `p`, 1 ms a token."""
+    cumulative = np.cumsum(weights)
+    return min(int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")), weights.size - 1)
+
+
 class Sampler:
     """One request's sampling state: its parameters, its random generator, its token history."""
 
@@ -52,7 +83,9 @@ class Sampler:
         return logits
 
     def pick(self, logits: np.ndarray) -> int:
-        """Choose the next token from already adjusted logits."""
+        """Choose the next token from already adjusted logits. Only top_p orders tokens, and only
+        the few largest as a rule (`_nucleus`): a full sort of SmolLM2's 49,152 logits took 4.6 ms
+        a token, a third of a decode step."""
         p = self.params
         if p.greedy:
             return int(np.argmax(logits))
@@ -60,17 +93,13 @@ class Sampler:
         scaled = (logits.astype(np.float64) - logits.max()) / p.temperature
         candidates = np.arange(scaled.size)
         if 0 < p.top_k < scaled.size:
-            candidates = np.argpartition(-scaled, p.top_k)[: p.top_k]
-        order = candidates[np.argsort(-scaled[candidates], kind="stable")]
-        probs = np.exp(scaled[order] - scaled[order[0]])
-        probs /= probs.sum()
-        keep = probs.size
-        if p.top_p < 1.0:
-            keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
-        if p.min_p > 0.0:
-            keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
-        probs = probs[:keep] / probs[:keep].sum()
-        return int(order[self.rng.choice(keep, p=probs)])
+            candidates = np.sort(np.argpartition(-scaled, p.top_k)[: p.top_k])
+        weights = np.exp(scaled[candidates])  # the best is among them: its weight is 1
+        chosen = _nucleus(weights, p.top_p) if p.top_p < 1.0 else np.arange(weights.size)
+        if p.min_p > 0.0:  # the tokens at least min_p times the best (the best itself at least)
+            kept = chosen[weights[chosen] >= p.min_p * weights.max()]
+            chosen = kept if kept.size else chosen[np.argmax(weights[chosen])][None]
+        return int(candidates[chosen[_draw(self.rng, weights[chosen])]])
 
     def accept(self, token_id: int) -> None:
         """Record a generated token for the penalties."""
