@@ -246,7 +246,7 @@ def on_a_thread_that_ends(fn: Callable[[], T]) -> T:
     """`fn()` on a thread of its own, which then ends. libgomp keeps a team of threads for each
     thread that ran a parallel region, and once it has more threads than cores they stop spinning
     between regions: the NumPy engine's kernels would then run slower on the scheduler's thread
-    (--speculate, mlx-lm's loop) than in a server, whose one worker thread runs them all."""
+    (--speculate) than in a server, whose one worker thread runs them all."""
     outcome: list[T | BaseException] = []
 
     def run() -> None:

@@ -185,7 +185,6 @@ class _Loader:
         return self.quantized and all(
             len(self._info(name)) == 2 and self.gguf.tensors[name].qtype in SUPPORTED for name in names)
 
-
     def fused_experts(self, names: list[str]) -> np.ndarray:
         """Per-expert tensors `[experts, rows_i, ...]` stacked along their second axis, so each
         expert's slices are one contiguous block: `[experts, sum of rows_i, ...]`."""
@@ -252,7 +251,6 @@ class _Loader:
                 chunk = chunk.reshape(-1, self.head_dim // 2, 2, table.shape[1]).transpose(0, 2, 1, 3)
             part = chunk.reshape(-1, table.shape[1])
             table[start:start + len(part)] = part
-
 
     def _unpack_into(self, name: str, out: QuantMatrix, heads_permuted: bool) -> None:
         """Fill `out` with the tensor's own quants, a few rows at a time (rows permuted as in
