@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dir", type=Path, default=None,
                    help="spill evicted KV slots to files here; they survive restarts (off by default)")
     p.add_argument("--kv-disk-slots", type=int, default=8, help="KV cache files kept on disk (default 8)")
+    p.add_argument("--kv-checkpoints", type=int, default=8, metavar="N",
+                   help="hybrid models (Qwen3.5 / 3.6): recurrent-state checkpoints each KV slot keeps, the "
+                        "prefixes it can resume from (default 8; each costs one recurrent state)")
     p.add_argument("--conns", type=int, default=32, help="concurrent connections; beyond, 503 (default 32)")
     p.add_argument("--api-key", default=os.environ.get("LMSERVE_API_KEY"),
                    help="require this key (Authorization: Bearer or x-api-key); env LMSERVE_API_KEY")
@@ -147,6 +150,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def kv_line(runtime) -> str:
     budget = runtime.slot_budget
     line = f"{budget.slots} x up to {human_bytes(budget.per_slot)}"
+    state = runtime.engine.state_bytes()
+    if state:
+        line += (f" (each with up to {runtime.options.kv_checkpoints} recurrent-state checkpoints "
+                 f"of {human_bytes(state)})")
     if budget.clamped:
         line += f" (clamped from {budget.asked} by the RAM guard: see the warning above)"
     if runtime.options.kv_cache_dir:
@@ -278,7 +285,7 @@ def serve(args: argparse.Namespace) -> None:
     from lmserve.model.loader import load_model
     from lmserve.model.resolve import resolve
     from lmserve.runtime import Runtime, ServerOptions, shutting_down
-    from lmserve.serving.ram_guard import ContextChoice, default_context
+    from lmserve.serving.ram_guard import ContextChoice, default_context, slot_state_bytes
 
     process_start = time.time() - seconds_since_process_start()
     loopback = is_loopback_host(args.host)
@@ -297,6 +304,8 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"lmserve: --ctx {args.ctx} is too small (at least 16)")
     if args.temp is not None and not 0 <= args.temp <= 2:
         raise SystemExit(f"lmserve: --temp {args.temp} is outside 0..2")
+    if args.kv_checkpoints < 1:
+        raise SystemExit("lmserve: --kv-checkpoints must be at least 1")
     if args.prefill_chunk < 0 or args.sse_keepalive <= 0 or (args.max_tokens is not None and args.max_tokens < 1):
         raise SystemExit("lmserve: --prefill-chunk must be 0 or more, --sse-keepalive more than 0, "
                          "--max-tokens at least 1")
@@ -309,13 +318,16 @@ def serve(args: argparse.Namespace) -> None:
         engine = load_engine(args.engine, model.gguf, model.config, progress)
     speculate = check_speculation(args, engine.cheap_verify)
     draft_engine = load_draft(args.draft, model, engine.name) if speculate == "draft" else None
+    engine.checkpoints_per_cache = args.kv_checkpoints
     context = ContextChoice(args.ctx, "--ctx") if args.ctx else default_context(
-        model.config.context_length, engine.kv_bytes_per_token(), engine.available_memory)
+        model.config.context_length, engine.kv_bytes_per_token(), engine.available_memory,
+        slot_state_bytes(engine))
     ctx = context.tokens
     options = ServerOptions(host=args.host, port=args.port, ctx=ctx, max_queue=args.queue,
                             max_batch=args.batch, api_key=args.api_key, kv_slots=args.kv_slots,
                             kv_slots_force=args.kv_slots_force, kv_reuse=args.kv_reuse, kv_cache_dir=args.kv_cache_dir,
-                            kv_disk_slots=args.kv_disk_slots, prefill_chunk=args.prefill_chunk,
+                            kv_disk_slots=args.kv_disk_slots, kv_checkpoints=args.kv_checkpoints,
+                            prefill_chunk=args.prefill_chunk,
                             keepalive=args.sse_keepalive, max_tokens=args.max_tokens, speculate=speculate,
                             temperature=args.temp)
     try:

@@ -26,7 +26,7 @@ from lmserve.serving.handle import Observer, RequestHandle
 from lmserve.serving.jobs import EventChannel, GenerationJob
 from lmserve.serving.kv_disk import DiskTier
 from lmserve.serving.kv_slots import SlotPool
-from lmserve.serving.ram_guard import plan_slots
+from lmserve.serving.ram_guard import plan_slots, slot_state_bytes
 from lmserve.serving.scheduler import PREFILL_CHUNK, QueueFull, Scheduler, ShuttingDown
 from lmserve.serving.speculate import DEFAULT_MODE, drafters
 
@@ -44,6 +44,7 @@ class ServerOptions:
     kv_reuse: bool = True
     kv_cache_dir: Path | None = None
     kv_disk_slots: int = 8
+    kv_checkpoints: int = 8  # hybrid models: recurrent-state checkpoints per KV slot
     prefill_chunk: int = PREFILL_CHUNK
     speculate: str = DEFAULT_MODE  # "ngram" (prompt lookup), "draft" (a draft model's engine is given) or "off"
     max_tokens: int | None = None  # reply budget of a request that sets none (None: the rest of the context)
@@ -67,8 +68,10 @@ class Runtime:
             self.sampling_defaults = self.sampling_defaults.with_temperature(options.temperature)
         self.replies = ReplyPlanner(model.tokenizer, model.template)
         cfg = model.config
+        engine.checkpoints_per_cache = options.kv_checkpoints
         self.slot_budget = plan_slots(max(options.kv_slots, options.max_batch), engine.kv_bytes_per_token(), options.ctx,
-                                      engine.available_memory, force=options.kv_slots_force)
+                                      engine.available_memory, force=options.kv_slots_force,
+                                      state_bytes=slot_state_bytes(engine))
         disk = None
         if options.kv_cache_dir is not None:
             disk = DiskTier(options.kv_cache_dir, model.gguf.header_digest(),
@@ -109,8 +112,10 @@ class Runtime:
     def start_chat(self, request: ChatRequest, observer: Observer | None = None) -> RequestHandle:
         prompt = self.prompts.render(request)
         plan = self.replies.plan(request, prompt)  # compiles grammars: a bad one is a 400 here
-        return self.start_job(self.prompts.encode(prompt), request.sampling, request.max_tokens,
-                              request.stop, request.session_id, plan, observer)
+        ids = self.prompts.encode(prompt)
+        history_end = self.prompts.history_end(request, ids) if self.engine.config.is_hybrid else 0
+        return self.start_job(ids, request.sampling, request.max_tokens, request.stop, request.session_id,
+                              plan, observer, history_end)
 
     def start_completion(self, prompts: list[list[int]], sampling: SamplingParams, max_tokens: int | None,
                          stop: list[str], output_format: OutputFormat | None, session_id: str | None = None,
@@ -129,7 +134,7 @@ class Runtime:
 
     def start_job(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int | None,
                   stop: list[str], session_id: str | None = None, plan: ReplyPlan | None = None,
-                  observer: Observer | None = None) -> RequestHandle:
+                  observer: Observer | None = None, history_end: int = 0) -> RequestHandle:
         """Validate the prompt against the context and queue it; raises RequestError."""
         n = len(prompt_ids)
         if n == 0:
@@ -145,7 +150,7 @@ class Runtime:
         max_tokens = min(max_tokens, budget)
         sampling = sampling.with_defaults(self.sampling_defaults.values())
         job = GenerationJob(prompt_ids, sampling, max_tokens, EventChannel(asyncio.get_running_loop()),
-                            stop, session_id, reply=plan or ReplyPlan())
+                            stop, session_id, reply=plan or ReplyPlan(), history_end=history_end)
         try:
             self.scheduler.submit(job)
         except ShuttingDown:

@@ -45,6 +45,14 @@ class TrackingEngine(Engine[C]):
         self.cheap_verify = engine.cheap_verify
         self._held: weakref.WeakKeyDictionary[C, _Held] = weakref.WeakKeyDictionary()
 
+    @property
+    def checkpoints_per_cache(self) -> int:  # the runtime sets it on the proxy: the real engine makes the caches
+        return self.engine.checkpoints_per_cache
+
+    @checkpoints_per_cache.setter
+    def checkpoints_per_cache(self, n: int) -> None:
+        self.engine.checkpoints_per_cache = n
+
     def held(self, cache: C) -> _Held:
         return self._held.setdefault(cache, _Held())
 
@@ -103,6 +111,12 @@ class TrackingEngine(Engine[C]):
     def copy_prefix(self, src: C, dst: C, n: int) -> None:
         self.engine.copy_prefix(src, dst, n)
         self._held[dst] = _Held(self.held(src).tokens[:n])
+
+    def resume_point(self, cache: C, n: int) -> int:
+        return self.engine.resume_point(cache, n)
+
+    def checkpoint(self, cache: C) -> None:
+        self.engine.checkpoint(cache)
 
     def save_cache(self, cache: C, path: Path) -> None:
         self.engine.save_cache(cache, path)

@@ -13,7 +13,8 @@ import numpy as np
 from tests.conftest import DATA
 
 ARCH = DATA / "fixtures" / "arch"
-FAMILIES = ("llama3", "qwen3moe", "gemma3", "phi3", "mistral", "qwen2", "gpt-oss")
+FAMILIES = ("llama3", "qwen3moe", "gemma3", "phi3", "mistral", "qwen2", "gpt-oss",
+            "qwen35", "qwen35moe", "gemma4", "gemma4-dense")
 QUANTS = ("F16", "Q8_0", "Q4_K_M")
 
 

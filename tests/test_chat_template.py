@@ -109,13 +109,16 @@ CONVERSATIONS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
-@pytest.mark.parametrize("kwargs", [
+RENDER_KWARGS = [  # how the template-equality tests render each conversation
     {"add_generation_prompt": True},
     {"add_generation_prompt": True, "enable_thinking": False},
     {"add_generation_prompt": True, "enable_thinking": True, "tools": TOOLS},
     {"add_generation_prompt": False, "tools": TOOLS},
-], ids=["gen", "no-think", "think-tools", "tools-no-gen"])
+]
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("kwargs", RENDER_KWARGS, ids=["gen", "no-think", "think-tools", "tools-no-gen"])
 def test_qwen3_matches_transformers(hf_tokenizer: Any, name: str, kwargs: dict) -> None:
     messages = CONVERSATIONS[name]
     ours = ChatTemplate(QWEN3, SPECIAL).render(messages, **kwargs)
@@ -250,11 +253,18 @@ def test_dialect_tool_history_and_thinking_match_transformers(hf_tokenizer: Any,
                              enable_thinking=True)
 
 
-def test_thinking_off_by_default_and_under_constraints(tiny_tokenizer: Tokenizer) -> None:
+def test_thinking_follows_the_client_else_the_template_and_is_off_under_constraints(
+        tiny_tokenizer: Tokenizer) -> None:
+    """Qwen3's template thinks unless told not to: a request that says nothing gets that default
+    (as llama-server renders it), `none` turns it off; Anthropic's API thinks only when asked."""
     builder = PromptBuilder(tiny_tokenizer, ChatTemplate(QWEN3, SPECIAL))
     user = [{"role": "user", "content": "hi"}]
-    assert builder.render(_parse("chat", {"messages": user})).endswith("<think>\n\n</think>\n\n")
+    assert builder.render(_parse("chat", {"messages": user})).endswith("assistant\n")
     assert builder.render(_parse("chat", {"messages": user, "reasoning_effort": "low"})).endswith("assistant\n")
+    assert builder.render(_parse("chat", {"messages": user, "reasoning_effort": "none"})).endswith(
+        "<think>\n\n</think>\n\n")
+    assert builder.render(_parse("anthropic", {"messages": user, "max_tokens": 9})).endswith(
+        "<think>\n\n</think>\n\n")
     for constraint in ({"response_format": {"type": "json_object"}}, {"regex": "a+"},
                        {"tools": [WEATHER_TOOL], "tool_choice": "required"}):
         body = {"messages": user, "reasoning_effort": "high", **constraint}
@@ -276,3 +286,99 @@ def test_template_without_tools_renders_hermes_like_qwen3(hf_tokenizer: Any,
     history = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in HISTORY]
     ours = PromptBuilder(tokenizer, template).render(_parse("chat", {"messages": history, "tools": [WEATHER_TOOL]}))
     assert ours == hf_render(hf_tokenizer, QWEN3, history, tools=[WEATHER_TOOL], add_generation_prompt=True)
+
+
+# -- Qwen3.5 / 3.6 and Gemma 4 against transformers ------------------------------------------------------
+
+NEW_FAMILIES = {"qwen3.5": ("<|endoftext|>", "<|im_end|>"), "gemma-4": ("<bos>", "<eos>"),
+                "gemma-4-interleaved": ("<bos>", "<eos>")}
+
+
+def family_template(family: str) -> tuple[str, dict[str, str]]:
+    bos, eos = NEW_FAMILIES[family]
+    return (TEMPLATES / f"{family}.jinja").read_text(), {"bos_token": bos, "eos_token": eos}
+
+
+def hf_render_family(tiny_tokenizer: Tokenizer, family: str, messages: list[dict], **kwargs: Any) -> str:
+    transformers = pytest.importorskip("transformers")
+    source, special = family_template(family)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(tiny_tokenizer.backend.to_str()),
+                                              **special)
+    return hf_render(hf, source, messages, **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("kwargs", RENDER_KWARGS, ids=["gen", "no-think", "think-tools", "tools-no-gen"])
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+def test_qwen35_and_gemma4_match_transformers(tiny_tokenizer: Tokenizer, family: str, name: str, kwargs: dict) -> None:
+    """Where the template itself fails (Qwen3.5 iterates arguments, so a call's arguments given as
+    JSON text break it), transformers fails too."""
+    source, special = family_template(family)
+    messages = CONVERSATIONS[name]
+    try:
+        ours = ChatTemplate(source, special).render(messages, **kwargs)
+    except TemplateError:
+        with pytest.raises(Exception, match="mapping"):
+            hf_render_family(tiny_tokenizer, family, messages, **kwargs)
+        return
+    assert ours == hf_render_family(tiny_tokenizer, family, messages, **kwargs)
+
+
+USER = [{"role": "user", "content": "hi"}]
+THINKING = {  # family -> how its prompt ends with thinking off, and on
+    "qwen3.5": ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "<|im_start|>assistant\n<think>\n"),
+    "gemma-4": ("<turn|>\n<|turn>model\n<|channel>thought\n<channel|>", "<turn|>\n<|turn>model\n"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(THINKING))
+def test_qwen35_and_gemma4_think_as_their_templates_do_unless_told(tiny_tokenizer: Tokenizer, family: str) -> None:
+    """A request that says nothing gets the template's own default (Qwen3.5 thinks, Gemma 4 does
+    not); every dialect's reasoning field turns it on, `none` off; off under a grammar."""
+    builder = PromptBuilder(tiny_tokenizer, ChatTemplate(*family_template(family)))
+    off, on = THINKING[family]
+    default = hf_render_family(tiny_tokenizer, family, USER, add_generation_prompt=True)
+    assert builder.render(_parse("chat", {"messages": USER})) == default
+    assert default.endswith(on if family == "qwen3.5" else off)
+    assert builder.render(_parse("chat", {"messages": USER, "reasoning_effort": "none"})).endswith(off)
+    asked = [_parse("chat", {"messages": USER, "reasoning_effort": "medium"}),
+             _parse("responses", {"input": "hi", "reasoning": {"effort": "low"}}),
+             _parse("anthropic", {"max_tokens": 100, "messages": USER, "thinking": {"type": "enabled",
+                                                                                    "budget_tokens": 1024}}),
+             _parse("chat", {"messages": USER, "chat_template_kwargs": {"enable_thinking": True}})]
+    for request in asked:
+        prompt = builder.render(request)
+        assert prompt.endswith(on) and prompt == hf_render_family(tiny_tokenizer, family, USER,
+                                                                  add_generation_prompt=True, enable_thinking=True)
+    for constraint in ({"response_format": {"type": "json_object"}}, {"tools": [WEATHER_TOOL], "tool_choice": "required"}):
+        assert builder.render(_parse("chat", {"messages": USER, "reasoning_effort": "high", **constraint})).endswith(off)
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_gemma4_opens_the_model_turn_its_template_leaves_closed(tiny_tokenizer: Tokenizer, thinking: bool) -> None:
+    """A call turn with text (Claude Code's text + tool_use) renders its text after the results and
+    closes the turn, and the template then writes no generation prompt: the template's own opening
+    of a model turn is appended (llama.cpp appends `<|turn>model\\n`)."""
+    body = {"max_tokens": 100, "tools": _anthropic_body()["tools"], "messages": [
+        {"role": "user", "content": "Weather in Zürich?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me check."}, {
+            "type": "tool_use", "id": "c1", "name": "get_weather", "input": {"city": "Zürich"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "{\"temp\": 21}"}]}],
+        **({"thinking": {"type": "adaptive"}} if thinking else {})}
+    ours = PromptBuilder(tiny_tokenizer, ChatTemplate(*family_template("gemma-4"))).render(_parse("anthropic", body))
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}
+    history = [HISTORY[1], {"role": "assistant", "content": "Let me check.", "tool_calls": [call]}, HISTORY[3]]
+    theirs = hf_render_family(tiny_tokenizer, "gemma-4", history, tools=[WEATHER_TOOL], add_generation_prompt=True,
+                              enable_thinking=thinking)
+    assert theirs.endswith('<tool_response|>Let me check.<turn|>\n')
+    assert ours == theirs + ("<|turn>model\n" if thinking else "<|turn>model\n<|channel>thought\n<channel|>")
+
+
+def test_gemma4_interleaved_gets_results_on_the_call_turn(tiny_tokenizer: Tokenizer) -> None:
+    """Gemma 4's older template reads results only from the call turn (Google's shape, which
+    llama.cpp folds them into): a result that is JSON is shown as Gemma's object notation."""
+    builder = PromptBuilder(tiny_tokenizer, ChatTemplate(*family_template("gemma-4-interleaved")))
+    ours = builder.render(_parse("chat", {"messages": HISTORY, "tools": [WEATHER_TOOL]}))
+    assert ('<|tool_call>call:get_weather{city:<|"|>Zürich<|"|>}<tool_call|>'
+            '<|tool_response>response:get_weather{temp:21}<tool_response|><|turn>user\nAnd tomorrow?') in ours
+    assert "<|turn>tool" not in ours

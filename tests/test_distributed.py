@@ -38,6 +38,9 @@ GPT_OSS = FIXTURES / "gpt-oss" / "tiny-gpt-oss-F16.gguf"
 QWEN2 = FIXTURES / "qwen2" / "tiny-qwen2-F16.gguf"
 GEMMA3 = FIXTURES / "gemma3" / "tiny-gemma3-F16.gguf"
 PHI3_K = FIXTURES / "phi3" / "tiny-phi3-Q4_K_M.gguf"  # converted at load: each rank caches its own layers
+QWEN35 = FIXTURES / "qwen35" / "tiny-qwen35-F16.gguf"  # hybrid: recurrent layers on both ranks
+QWEN35MOE_K = FIXTURES / "qwen35moe" / "tiny-qwen35moe-Q4_K_M.gguf"  # quantized value heads regrouped, then split
+GEMMA4 = FIXTURES / "gemma4" / "tiny-gemma4-F16.gguf"
 GONE = "of the distributed group stops: a rank is gone"
 
 
@@ -124,6 +127,7 @@ PARALLEL = {"tensor": "tensor parallel", "pipeline": "pipeline parallel"}
 @pytest.mark.parametrize(("model", "ranks", "mode"), [
     pytest.param(LLAMA, 2, "tensor", id="llama3"), pytest.param(QWEN3MOE, 2, "tensor", id="qwen3moe"),
     pytest.param(GEMMA3, 2, "pipeline", id="gemma3-pipeline"), pytest.param("smollm2", 2, "pipeline", id="smollm2-pipeline"),
+    pytest.param(QWEN35, 2, "pipeline", id="qwen35-pipeline"),
     pytest.param("smollm2", 3, "pipeline", id="smollm2-3-ranks-pipeline"), SMOLLM2_3,
 ])
 def test_ranks_reply_as_one_process(model: Path | str, ranks: int, mode: str) -> None:
@@ -145,7 +149,12 @@ def test_ranks_reply_as_one_process(model: Path | str, ranks: int, mode: str) ->
     assert banner.count("listening") == 1  # rank 1 opens no socket
     assert [r["choices"][0]["message"]["content"] for r in got] == \
         [r["choices"][0]["message"]["content"] for r in expected]
-    assert got[2]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the first turn's prefix
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (got[2], expected[2])]
+    assert cached[0] == cached[1]
+    # The first turn's prefix; but Qwen3.5's template renders an empty think block only after the
+    # last user turn, so its follow-up leaves the first prompt at position 21, before the
+    # checkpoints (26, 27) a hybrid cache resumes from: one process reuses nothing either.
+    assert cached[0] > 0 or model == QWEN35
     assert [r["choices"][0]["message"]["content"] for r in together] == \
         [r["choices"][0]["message"]["content"] for r in expected[:2]]
 
@@ -176,9 +185,10 @@ def test_killed_rank_ends_the_group_with_one_line(mode: str) -> None:
 
 @pytest.mark.parametrize(("model", "ranks", "mode", "refusal"), [
     (GEMMA3, 2, "tensor", "mlx-lm's gemma3 model has no tensor-parallel shard(); --distributed pipeline splits it"),
+    (GEMMA4, 2, "tensor", "mlx-lm's gemma4 model has no tensor-parallel shard(); --distributed pipeline splits it"),
     ("smollm2", 2, "tensor", "this model's attention heads 9, KV heads 3 cannot be split evenly across 2 ranks"),
     (LLAMA, 3, "pipeline", "this model's 2 layers cannot be split across 3 ranks"),
-], ids=["gemma3", "smollm2", "llama3-3-ranks"])
+], ids=["gemma3", "gemma4", "smollm2", "llama3-3-ranks"])
 def test_refuses_what_cannot_be_split(model: Path | str, ranks: int, mode: str, refusal: str, tmp_path: Path) -> None:
     """Every rank refuses before loading weights (mlx.launch itself exits 0 all the same)."""
     path = default_model() if model == "smollm2" else model
@@ -220,6 +230,7 @@ def check(a, b):
 
 a = both("new_cache", 64)
 check(*both("prefill", a, list(range(10, 20))))
+both("checkpoint", a)  # a hybrid cache keeps its state at 10 (a no-op for attention-only models)
 b = both("new_cache", 64)
 both("copy_prefix", a, b, 6)
 check(*both("prefill", b, [30, 31, 32], True))
@@ -248,10 +259,13 @@ Path(sys.argv[2], "result.json").write_text(json.dumps(out))
 @pytest.mark.parametrize(("model", "mode"), [
     (LLAMA, "tensor"), (QWEN3MOE, "tensor"), (GPT_OSS, "tensor"), (QWEN2, "tensor"),
     (GEMMA3, "pipeline"), (PHI3_K, "pipeline"), (GPT_OSS, "pipeline"),
-], ids=["llama3", "qwen3moe", "gpt-oss", "qwen2", "gemma3-pipeline", "phi3-q4k-pipeline", "gpt-oss-pipeline"])
+    (QWEN35, "tensor"), (QWEN35MOE_K, "tensor"), (QWEN35, "pipeline"), (GEMMA4, "pipeline"),
+], ids=["llama3", "qwen3moe", "gpt-oss", "qwen2", "gemma3-pipeline", "phi3-q4k-pipeline", "gpt-oss-pipeline",
+        "qwen35", "qwen35moe-q4k", "qwen35-pipeline", "gemma4-pipeline"])
 def test_lockstep_calls_match_one_engine(model: Path, mode: str, tmp_path: Path) -> None:
     """Every engine call through LockstepEngine (batched decode, verify, truncate, copy_prefix, a
-    refused call, save/load, a freed cache) gives one engine's logits, with half the weights."""
+    refused call, save/load, a freed cache; a hybrid model's checkpoint, and the recomputation a
+    cut between checkpoints makes) gives one engine's logits, with half the weights."""
     script = tmp_path / "lockstep.py"
     script.write_text(LOCKSTEP_SCRIPT)
     proc = subprocess.run(

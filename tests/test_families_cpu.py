@@ -14,9 +14,12 @@ from lmserve.engine_cpu import CPUEngine
 from lmserve.engine_cpu import ops as ops_module
 from lmserve.engine_cpu import weights as weights_module
 from lmserve.engine_cpu.engine import kernels_available
+from lmserve.engine_cpu.weights import AttentionWeights
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
 from tests.families import Fixture, check_against_references, fixtures, references
+
+NEW_FAMILIES = ("qwen35", "qwen35moe", "gemma4")  # issue 25's: hybrid layers, Gemma 4's per-layer shapes
 
 
 @cache
@@ -50,7 +53,23 @@ def test_the_fixtures_exercise_what_they_claim() -> None:
     assert gpt.is_moe and gpt.expert_bias and gpt.attn_sinks and gpt.rope_yarn and any(gpt.sliding_layers)
 
 
-@pytest.mark.parametrize("family", ["qwen3moe", "gemma3", "gpt-oss"])  # MoE, sliding window, both
+def test_the_new_fixtures_exercise_what_they_claim() -> None:
+    """Qwen3.5's hybrid layers with tiled value heads, its output gate and partial rotary; its MoE's
+    shared expert; Gemma 4's per-layer heads, keys-as-values, proportional rope, experts beside
+    the dense FFN, layer scale and softcapping."""
+    cfg = {f: engine(Fixture(f, "F16")).config for f in NEW_FAMILIES}
+    for family in ("qwen35", "qwen35moe"):
+        c, la = cfg[family], cfg[family].linear_attention
+        assert c.is_hybrid and c.attn_output_gate and c.rotary_dims < c.head_dim
+        assert la is not None and la.k_heads < la.v_heads
+    assert cfg["qwen35moe"].is_moe and engine(Fixture("qwen35moe", "F16")).weights.layers[0].experts.shared
+    g = cfg["gemma4"]
+    assert len(set(g.layer_head_dims)) == len(set(g.layer_kv_heads)) == 2 and any(g.values_from_keys)
+    assert g.has_rope_freqs and g.rope_dims_local and g.final_softcap and g.layer_output_scale
+    assert g.is_moe and g.moe_dense_ffn and g.value_norm and g.sliding_window == 16
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "gemma3", "gpt-oss", "qwen35", "qwen35moe", "gemma4"])
 def test_batched_decode_equals_solo(family: str) -> None:
     e = engine(Fixture(family, "F16"))
     ids = token_ids(family)
@@ -70,7 +89,7 @@ def test_batched_decode_equals_solo(family: str) -> None:
         assert alone.length == caches[i].length == len(prompt) + len(batched)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gpt-oss"])
+@pytest.mark.parametrize("family", ["gemma3", "gpt-oss", "gemma4"])
 def test_decode_past_the_sliding_window_matches_prefill_and_reference(family: str) -> None:
     """Prefill 10 tokens (inside the 16-position window), then decode the other 54 one at a
     time: each step sees only its window on the sliding layers, as the prefill's mask does."""
@@ -86,16 +105,18 @@ def test_decode_past_the_sliding_window_matches_prefill_and_reference(family: st
     assert sum(a == b for a, b in zip(np.argmax(stepped, -1).tolist(), reference, strict=True)) >= len(reference) - 1
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gpt-oss"])
+@pytest.mark.parametrize("family", ["gemma3", "gpt-oss", "gemma4"])
 def test_the_sliding_window_is_what_the_reference_applies(family: str) -> None:
     """The same model with its windows removed sees far too much: past the window it no longer
     agrees with transformers (guards against a window that is computed but never applied)."""
     gguf = GGUFFile(Fixture(family, "F16").path)
     e = CPUEngine(gguf, ModelConfig.from_gguf(gguf))  # its own: the weights are changed here
     window = e.config.sliding_window
-    assert [layer.window for layer in e.weights.layers] == [window if s else 0 for s in e.config.sliding_layers]
-    for layer in e.weights.layers:
-        layer.window = 0
+    attention = [layer.mixer for layer in e.weights.layers]
+    assert all(isinstance(a, AttentionWeights) for a in attention)
+    assert [a.window for a in attention] == [window if s else 0 for s in e.config.sliding_layers]
+    for a in attention:
+        a.window = 0
     ids = token_ids(family)
     top1 = e.prefill(e.new_cache(len(ids)), ids, all_logits=True).argmax(-1).tolist()
     reference = references(family)["reference"]["top1"]
@@ -103,12 +124,13 @@ def test_the_sliding_window_is_what_the_reference_applies(family: str) -> None:
     assert sum(a == b for a, b in zip(top1[window:], reference[window:], strict=True)) < (len(ids) - window) // 2
 
 
-def test_moe_decode_reads_only_the_chosen_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("family", ["qwen3moe", "qwen35moe", "gemma4"])
+def test_moe_decode_reads_only_the_chosen_experts(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One decode row runs its k experts per layer, and no other (matrices told apart by their
     data: each expert's slice of the stacked tensor is a fresh view)."""
-    e = engine(Fixture("qwen3moe", "F16"))
+    e = engine(Fixture(family, "F16"))
     c = e.new_cache(16)
-    e.prefill(c, token_ids("qwen3moe")[:8])
+    e.prefill(c, token_ids(family)[:8])
     read: set[int] = set()
     real = ops_module.linear
 

@@ -1,9 +1,10 @@
 """The MLX engine (mlx-lm's own model classes) on the tiny model of every family in
-tests/data/fixtures/arch: logits against transformers and llama.cpp, Llama 3's rope_freqs,
-teacher-forced decoding of several rows at once against each row alone and against a prefill
-(MoE routing, sliding windows crossed mid-decode), expert stacks kept quantized, and the refusal of
-what mlx-lm's classes would compute wrongly; rope scalings (linear, gpt-oss's unrounded YaRN, Phi's
-LongRoPE) and MXFP4 experts. On Linux this is MLX's CPU backend."""
+tests/data/fixtures/arch: logits against transformers and llama.cpp, Llama 3's rope_freqs and
+Gemma 4's proportional rotary, teacher-forced decoding of several rows at once against each row
+alone and against a prefill (MoE routing, sliding windows crossed mid-decode, Qwen3.5's recurrent
+layers), expert stacks kept quantized, and the refusal of what mlx-lm's classes would compute
+wrongly; rope scalings (linear, gpt-oss's unrounded YaRN, Phi's LongRoPE) and MXFP4 experts. On
+Linux this is MLX's CPU backend."""
 
 from __future__ import annotations
 
@@ -89,6 +90,23 @@ def test_linear_rope_scaling_stretches_gemma3_global_layers() -> None:
     assert [(r.base, r.scale) for r in ropes] == [(10_000.0, 1.0)] * 5 + [(config.rope_theta, 1 / 8)]
 
 
+def test_gemma4_global_layers_rotate_a_quarter_of_their_dims(load: Engines) -> None:
+    """Gemma 4's global layers use "proportional" rope (a quarter of the head rotated, frequencies
+    over the whole head): llama.cpp's file says so with rope_freqs entries of 1e30 for the pairs
+    left still, which become the periods of mlx-lm's ProportionalRoPE; the sliding layers rotate
+    all their dims with their own base."""
+    from mlx_lm.models.rope_utils import ProportionalRoPE
+
+    engine = load(Fixture("gemma4", "F16"))
+    sliding, full = (layer.self_attn.rope for layer in engine.model.layers)
+    d = engine.config.head_size(1)
+    theirs = ProportionalRoPE(d, d // 4, base=engine.config.rope_theta)
+    periods = np.array(full._freqs)
+    np.testing.assert_allclose(periods[:d // 8], np.array(theirs._freqs)[:d // 8], rtol=1e-6)
+    assert (periods[d // 8:] > 1e29).all()
+    assert (sliding.dims, sliding.base) == (engine.config.head_size(0), engine.config.rope_theta_local)
+
+
 def test_gpt_oss_yarn_range_is_left_unrounded(load: Engines) -> None:
     """gpt-oss's YaRN blends inverse frequencies over an unrounded correction range (its config's
     `truncate: false`), mlx-lm's YarnRoPE over a rounded one: the engine gives it transformers'."""
@@ -134,7 +152,8 @@ def teacher_forced(engine: MLXEngine, prompts: list[list[int]], feeds: list[list
     return np.stack([engine.decode(caches, [feed[t] for feed in feeds]) for t in range(len(feeds[0]))])
 
 
-@pytest.mark.parametrize("family", ["qwen3moe", "gemma3"])  # MoE routing per row; a 16-position window
+# MoE routing per row; a 16-position window; recurrent states per row; Gemma 4's window, its experts
+@pytest.mark.parametrize("family", ["qwen3moe", "gemma3", "qwen35", "gemma4"])
 def test_rows_decoded_together_equal_each_alone_and_a_prefill(family: str, load: Engines) -> None:
     engine, ids = load(Fixture(family, "F16")), ids_of(family)
     spans = [(0, 21), (40, 45), (10, 13)]  # past the window already, crossing it mid-decode, never
@@ -148,7 +167,7 @@ def test_rows_decoded_together_equal_each_alone_and_a_prefill(family: str, load:
         np.testing.assert_allclose(alone, whole, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gpt-oss"])
+@pytest.mark.parametrize("family", ["gemma3", "gpt-oss", "gemma4", "qwen35"])  # qwen35: conv windows across chunks
 def test_prefill_in_chunks_shorter_than_the_window(family: str, load: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
     engine, ids = load(Fixture(family, "F16")), ids_of(family)
     whole = engine.prefill(engine.new_cache(64), ids, all_logits=True)
@@ -214,3 +233,10 @@ def test_refuses_what_the_mlx_lm_class_would_compute_wrongly() -> None:
     stray = {**gguf.tensors, "blk.0.attn_q_norm.weight": gguf.tensors["blk.0.attn_norm.weight"]}
     with pytest.raises(ModelLoadError, match="no place for the tensors blk.0.attn_q_norm.weight"):
         gguf_names(build_model(config), config, stray)
+    with pytest.raises(ModelLoadError, match="attention output gate, final logit softcap"):
+        build_model(dataclasses.replace(config, attn_output_gate=True, final_softcap=30.0))
+    qwen35 = ModelConfig.from_gguf(GGUFFile(Fixture("qwen35", "F16").path))
+    with pytest.raises(ModelLoadError, match="lack of attention output gate"):
+        build_model(dataclasses.replace(qwen35, attn_output_gate=False))
+    with pytest.raises(ModelLoadError, match="one full-attention layer every n layers"):
+        build_model(dataclasses.replace(qwen35, recurrent_layers=(True, True, False) + (True,) * 4 + (False,)))

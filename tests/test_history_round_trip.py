@@ -14,7 +14,9 @@ transformers rendering the same reshaped conversation (QUIRKS):
 - gemma and phi-3.5 take no tools: tools, calls and results are folded into plain turns the hermes
   way (`hermes.fold`), and gemma, which has no system role, gets the system turn folded into the first
   user turn (`fold_system`); templates insisting on alternating roles get consecutive user turns joined;
-- gpt-oss refuses a call turn with both text and reasoning: the text joins the reasoning.
+- gpt-oss refuses a call turn with both text and reasoning: the text joins the reasoning;
+- gemma-4-interleaved (Gemma 4's older template) reads results only from the call turn's
+  `tool_responses`: they are folded there as llama.cpp folds them (`results_onto_call_turns`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 import pytest
 
 from lmserve.chat import hermes
-from lmserve.chat.prompt import PromptBuilder, fold_system, short_call_id
+from lmserve.chat.prompt import PromptBuilder, fold_system, results_onto_call_turns, short_call_id
 from lmserve.core.types import ChatRequest, Message, Tool, ToolCall
 from lmserve.model.chat_template import ChatTemplate
 from lmserve.model.gguf_file import GGUFFile
@@ -39,20 +41,28 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "PyTorch was not found"
     from transformers.utils.chat_template_utils import render_jinja_template
 
-FAMILIES = ("devstral", "gemma", "gpt-oss", "llama-3.1", "mistral-small-3.2", "phi-3.5", "qwen2.5",
-            "qwen3-coder", "qwen3")
+FAMILIES = ("devstral", "gemma", "gemma-4", "gemma-4-interleaved", "gpt-oss", "llama-3.1", "mistral-small-3.2",
+            "phi-3.5", "qwen2.5", "qwen3-coder", "qwen3", "qwen3.5")
 SPECIAL = {  # each family's own bos/eos strings, as its tokenizer config passes them
-    "devstral": ("<s>", "</s>"), "gemma": ("<bos>", "<eos>"), "gpt-oss": ("<|startoftext|>", "<|return|>"),
+    "devstral": ("<s>", "</s>"), "gemma": ("<bos>", "<eos>"), "gemma-4": ("<bos>", "<eos>"),
+    "gemma-4-interleaved": ("<bos>", "<eos>"), "gpt-oss": ("<|startoftext|>", "<|return|>"),
     "llama-3.1": ("<|begin_of_text|>", "<|eot_id|>"), "mistral-small-3.2": ("<s>", "</s>"),
     "phi-3.5": ("<s>", "<|endoftext|>"), "qwen2.5": ("<|endoftext|>", "<|im_end|>"),
     "qwen3-coder": ("<|endoftext|>", "<|im_end|>"), "qwen3": ("<|endoftext|>", "<|im_end|>"),
+    "qwen3.5": ("<|endoftext|>", "<|im_end|>"),
 }
 SHORT_IDS, ONE_CALL_PER_TURN, HERMES, NO_SYSTEM = "short ids", "one call per turn", "hermes", "no system"
+RESULTS_ON_CALL_TURN = "results on the call turn"
 QUIRKS = {"mistral-small-3.2": {SHORT_IDS}, "llama-3.1": {ONE_CALL_PER_TURN}, "gpt-oss": {ONE_CALL_PER_TURN},
-          "gemma": {HERMES, NO_SYSTEM}, "phi-3.5": {HERMES}}
+          "gemma": {HERMES, NO_SYSTEM}, "phi-3.5": {HERMES}, "gemma-4-interleaved": {RESULTS_ON_CALL_TURN}}
 
 SYSTEM, QUESTION, REASONING = "Be brief.", "What are the weather and the time in my city?", "Look both up."
 ANSWER, FOLLOW_UP = "Mild, midday.", "And tomorrow?"
+PENDING_REASONING = {  # how the reasoning of the call turn still waiting for its results is shown
+    "qwen3": f"<think>\n{REASONING}\n</think>", "qwen3.5": f"<think>\n{REASONING}\n</think>",
+    "gpt-oss": f"<|channel|>analysis<|message|>{REASONING}<|end|>",
+    "gemma-4": f"<|channel>thought\n{REASONING}\n<channel|>", "gemma-4-interleaved": f"<|channel>thought\n{REASONING}<channel|>",
+}
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "clock": {"type": "string"}},
           "required": ["city"]}
 TOOL_DEFS = [("get_weather", "Wetter für eine Stadt"), ("get_time", "The local time")]
@@ -171,6 +181,8 @@ def reference(family: str, dialect: str, n_calls: int, follow_up: bool) -> str:
         if NO_SYSTEM in quirks:
             folded = fold_system(folded)
         messages, tools = [m.to_template() for m in folded], None
+    if RESULTS_ON_CALL_TURN in quirks:
+        messages = results_onto_call_turns(messages)
     return transformers_render(family, messages, tools, enable_thinking=True, reasoning_effort="high")
 
 
@@ -210,9 +222,8 @@ def test_history_renders_as_transformers_renders_it(tokenizer: Tokenizer, family
     for (name, arguments, _), mark in zip(CALLS[:n_calls], RESULT_MARKS, strict=False):  # nothing dropped
         assert ours.count(name) >= 2 and mark in ours  # declared and called; its result
         assert all(value in ours for value in arguments.values())
-    if not follow_up and family in ("qwen3", "gpt-oss"):  # reasoning of the pending call turn is shown
-        assert {"qwen3": f"<think>\n{REASONING}\n</think>",
-                "gpt-oss": f"<|channel|>analysis<|message|>{REASONING}<|end|>"}[family] in ours
+    if not follow_up and family in PENDING_REASONING:  # reasoning of the pending call turn is shown
+        assert PENDING_REASONING[family] in ours
 
 
 # -- the quirks, as probed from each template --------------------------------------------------------------
@@ -225,6 +236,7 @@ def test_template_traits_are_probed(family: str) -> None:
     assert t.supports_system is (NO_SYSTEM not in quirks)
     assert t.short_call_ids is (SHORT_IDS in quirks)
     assert t.parallel_calls is (ONE_CALL_PER_TURN not in quirks)
+    assert t.results_on_call_turn is (RESULTS_ON_CALL_TURN in quirks)
     assert t.calls_take_text_and_thinking is (family != "gpt-oss")
     assert t.alternates is (family in ("gemma", "mistral-small-3.2"))
     assert t.user_after_results is (family != "mistral-small-3.2")

@@ -150,3 +150,17 @@ def test_default_context_fits_one_slot_in_half_the_memory():
     assert small.tokens == 40_960 and "raise with --ctx" in small.reason
     assert default_context(131_072, per_token, available=gib // 4).tokens == 4096  # never below one step
     assert default_context(256, per_token, available=gib // 1024).tokens == 256  # nor above the trained
+
+
+def test_a_hybrid_slot_is_priced_with_its_recurrent_states():
+    """Qwen3.5-35B-A3B on MLX: 20,480 bytes of attention K/V a position (10 attention layers x 2 KV
+    heads x 256 x 2 x 2 bytes) and about 61 MiB of recurrent state, kept 9 times (8 checkpoints
+    and the current one): at 32k a slot is 640 MiB of K/V and 549 MiB of states."""
+    gib, mib = 1024**3, 1024**2
+    per_token, states = 20_480, 9 * 61 * mib
+    budget = plan_slots(4, per_token, 32_768, available=8 * gib, state_bytes=states)
+    assert budget.per_slot == 32_768 * per_token + states
+    assert "4 KV slots x 1189 MiB (32768 tokens x 20480 bytes + 549 MiB recurrent states)" in budget.warning
+    assert plan_slots(4, per_token, 32_768, available=4 * gib, state_bytes=states).clamped
+    # The default context leaves room for the states: 2 GiB of half of 4 GiB less 549 MiB.
+    assert default_context(262_144, per_token, available=4 * gib, state_bytes=states).tokens == 73_728

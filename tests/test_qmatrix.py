@@ -74,9 +74,9 @@ def engines() -> tuple[CPUEngine, CPUEngine]:
 
 def test_the_engine_keeps_the_files_quants_in_a_third_of_the_bytes() -> None:
     quantized, float32 = engines()
-    assert isinstance(quantized.weights.layers[0].qkv, QuantMatrix)
+    assert isinstance(quantized.weights.layers[0].mixer.qkv, QuantMatrix)
     assert isinstance(quantized.weights.output, QuantMatrix)  # SmolLM2's tied Q8_0 embeddings
-    assert isinstance(float32.weights.layers[0].qkv, np.ndarray)
+    assert isinstance(float32.weights.layers[0].mixer.qkv, np.ndarray)
     assert quantized.weight_bytes < float32.weight_bytes / 3
     assert "int8-block kernels" in quantized.device and "float32" in float32.device
 

@@ -11,7 +11,7 @@ import pytest
 from lmserve.chat.grammar import ForcedTokens, GrammarConstraint
 from lmserve.chat.planner import ReplyPlanner
 from lmserve.chat.reply import ReplyDecoder, ReplyPlan
-from lmserve.chat.reply_router import CallRouting
+from lmserve.chat.reply_router import GEMMA4_THINK, CallRouting
 from lmserve.chat.tool_format import HERMES, HERMES_END, HERMES_START, ToolFormat
 from lmserve.core.events import Event, ReasoningDelta, TextDelta, TokenLogprob, ToolCallEvent
 from lmserve.core.types import ChatRequest, Message, OutputFormat, Tool
@@ -64,6 +64,19 @@ def test_no_reasoning_channel_leaves_text_alone() -> None:
 def test_think_only_routes_at_the_start() -> None:
     events = run(["Sure. ", "<think>x</think>"], ReplyPlan(think=True))
     assert texts(events, TextDelta) == "Sure. <think>x</think>"
+
+
+def test_gemma4_thought_channels_anywhere_with_split_markers() -> None:
+    """Gemma 4's `<|channel>thought...<channel|>` is reasoning where the reply starts and later in it
+    too (llama.cpp's rule for Gemma 4); a stray closer is dropped; no piece of a marker streams."""
+    gemma = ReplyPlan(think=True, think_markers=GEMMA4_THINK)
+    events = run(["<|chan", "nel>thou", "ght\nweigh", " it<chan", "nel|>The ans", "wer<|chan", "nel>thought\n",
+                  "<channel|>"], gemma)
+    assert texts(events, ReasoningDelta) == "weigh it" and texts(events, TextDelta) == "The answer"
+    events = run(["Sure.<cha", "nnel|> Done.<|channel>", "thought\nmore"], gemma)
+    assert texts(events, TextDelta) == "Sure. Done." and texts(events, ReasoningDelta) == "more"
+    events = run(["<|channel> is a token"], gemma)  # only the thought channel is reasoning
+    assert texts(events, TextDelta) == "<|channel> is a token"
 
 
 # -- tool calls ----------------------------------------------------------------------------------------

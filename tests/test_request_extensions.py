@@ -79,7 +79,7 @@ def test_template_kwargs_change_the_rendered_prompt(qwen3: Tokenizer, template: 
     off = prompt(builder, **effort, chat_template_kwargs={"enable_thinking": False})  # explicit wins
     assert off.endswith(EMPTY_THINK) and off == thinking + EMPTY_THINK
     assert len(builder.encode(off)) > len(builder.encode(thinking))
-    assert prompt(builder).endswith(EMPTY_THINK)  # the default without reasoning: thinking off
+    assert prompt(builder) == thinking  # a request that says nothing gets the template's default: on
     assert prompt(builder, chat_template_kwargs={"enable_thinking": True}) == thinking
 
 

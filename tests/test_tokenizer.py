@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import time
 from pathlib import Path
+from typing import Any
 
 import gguf
 import pytest
@@ -14,6 +15,8 @@ from lmserve.model.gguf_file import GGUFFile, ModelLoadError
 from lmserve.model.pretokenizers import PRE_TOKENIZERS, pre_tokenizer
 from lmserve.model.tokenizer import BYTE_LEVEL_CHARS, Tokenizer
 from tests.conftest import TINY_LLAMA
+from tests.families import ARCH
+from tests.gemma4_vocab import NEWLINES, write_gemma4_vocab
 
 TINY_LLAMA_F32 = TINY_LLAMA / "tiny-llama-F32.gguf"
 
@@ -144,6 +147,86 @@ def test_sentencepiece_without_space_prefix(tmp_path: Path) -> None:
     assert names(tok, tok.encode("hello world")) == ["he", "llo", "▁world"]
 
 
+# -- Gemma 4 (tokenizer model "gemma4": BPE over "▁"-spaced raw UTF-8) -----------------------------------
+
+
+def gemma4_vocab(tmp_path: Path, add_bos: bool = True) -> tuple[GGUFFile, Tokenizer]:
+    file = GGUFFile(write_gemma4_vocab(tmp_path / "gemma4.gguf", add_bos=add_bos))
+    return file, Tokenizer.from_gguf(file)
+
+
+def test_gemma4_vocabulary(tmp_path: Path) -> None:
+    _, tok = gemma4_vocab(tmp_path)
+    assert names(tok, tok.encode(" the a", add_special=False)) == ["▁the", "▁a"]  # ranked merges, no prefix space
+    assert names(tok, tok.encode("the", add_special=False)) == ["t", "he"]
+    assert names(tok, tok.encode("é", add_special=False)) == ["<0xC3>", "<0xA9>"]  # byte fallback
+    # the chat markers are USER_DEFINED: whole tokens, not special, rendered as their text
+    call = '<|tool_call>call:f{a:<|"|>x<|"|>}<tool_call|>'
+    ids = tok.encode(call, add_special=False, parse_special=False)
+    assert names(tok, ids)[:1] == ["<|tool_call>"] and names(tok, ids).count('<|"|>') == 2
+    assert not set(ids) & tok.special_ids and tok.decode(ids) == call
+    turn = tok.encode("<|turn>", add_special=False)
+    assert len(turn) == 1 and turn[0] in tok.special_ids  # CONTROL
+    assert turn[0] not in tok.encode("a<|turn>", add_special=False, parse_special=False)
+    assert {tok.piece(i) for i in tok.eog_ids} == {"<eos>", "<turn|>", "<|tool_response>"}
+    text = "Hello, Zürich 🙂\n\n  two  spaces\n"
+    assert tok.decode(tok.encode(text, add_special=False)) == text
+    assert b"".join(tok.token_bytes(i) for i in tok.encode(text, add_special=False)) == text.encode()
+
+
+def test_gemma4_newline_runs_and_bos_as_llama_cpp(tmp_path: Path) -> None:
+    """llama.cpp cuts the text at newline runs and takes a run that is a token whole, though no
+    merge builds it (its PR 21343); it adds BOS whatever the file says (PR 21500). A line that is a
+    byte token's text is spelled out, as there."""
+    _, tok = gemma4_vocab(tmp_path, add_bos=False)
+    assert names(tok, tok.encode("a" + NEWLINES + "b", add_special=False)) == ["a", NEWLINES, "b"]
+    assert names(tok, tok.encode("a\n\n\n\nb", add_special=False)) == ["a", NEWLINES, "\n", "b"]  # longest first
+    assert names(tok, tok.encode("he\nhe", add_special=False)) == ["he", "\n", "he"]
+    assert names(tok, tok.encode("<0x41>\n", add_special=False))[:2] == ["<", "0"]
+    assert tok.add_bos and names(tok, tok.encode("a"))[0] == "<bos>"
+
+
+def transformers_tokenizer(file: GGUFFile) -> Any:
+    """transformers' own tokenizer built from the file's tokenizer arrays (its GGUF reader needs torch;
+    the builder does not)."""
+    mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    md = file.metadata
+    arrays = {name: md[f"tokenizer.{key}"] for key, name in mapping.GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+              if f"tokenizer.{key}" in md}
+    arrays = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in arrays.items()}
+    return mapping.convert_gguf_tokenizer(md["general.architecture"], arrays)[0]
+
+
+FIXTURE_SAMPLES = ("the cat in a hat", " the  a\n", "Zürich 🙂 ok café", "def add(a, b):\n    return a + b\n",
+                   '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>celsius<|"|>}<tool_call|>',
+                   "<|turn>user\nhi<turn|>\n<|turn>model\n<|channel>thought\n<channel|>", "a\n\nb",
+                   "<|im_start|>user\nWhat is the weather?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+                   "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>",
+                   "Numbers: 0 1 42 3.14 1e-6", "\u0915\u093f\u0924\u093e\u092c cafe\u0301", "<0x41>")
+
+
+def test_gemma4_matches_transformers(tmp_path: Path) -> None:
+    """transformers' own Gemma 4 tokenizer built from the same GGUF arrays gives the same ids, but
+    for a newline run that only llama.cpp's rule takes whole."""
+    file, tok = gemma4_vocab(tmp_path)
+    hf = transformers_tokenizer(file)
+    for text in FIXTURE_SAMPLES:
+        assert tok.encode(text, add_special=False) == hf.encode(text, add_special_tokens=False).ids, text
+    assert hf.encode(NEWLINES, add_special_tokens=False).ids != tok.encode(NEWLINES, add_special=False)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen35"])
+def test_new_family_fixtures_match_transformers(family: str) -> None:
+    """The tiny Gemma 4 and Qwen3.5 fixtures' tokenizers (toy vocabularies in the real shapes, the
+    chat markers USER_DEFINED) as transformers builds them from the same arrays. (Checked against
+    llama.cpp's /tokenize too when written: the same ids for every sample, with and without BOS.)"""
+    file = GGUFFile(ARCH / family / f"tiny-{family}-F16.gguf")
+    tok, hf = Tokenizer.from_gguf(file), transformers_tokenizer(file)
+    for text in FIXTURE_SAMPLES:
+        assert tok.encode(text, add_special=False) == hf.encode(text, add_special_tokens=False).ids, text
+        assert tok.decode(tok.encode(text, add_special=False)) == text
+
+
 BYTE_CHARS = list(BYTE_LEVEL_CHARS)
 
 
@@ -262,6 +345,15 @@ def regex_split(regexes: tuple[str, ...], text: str) -> list[str]:
             out += [piece[at:]] if at < len(piece) else []
         pieces = out
     return pieces
+
+
+def test_qwen35_keeps_combining_marks_in_words(tmp_path: Path) -> None:
+    """Qwen3.5's converter writes pre "qwen35" (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35): marks join
+    the letters before them, where Qwen2's regex cuts decomposed accents and Devanagari vowel signs off."""
+    text = "cafe\u0301 na\u0308ive \u0915\u093f\u0924\u093e\u092c"
+    assert pre_tokenize(bpe_vocab(tmp_path, "qwen35"), text) == ["cafe\u0301", " na\u0308ive",
+                                                                 " \u0915\u093f\u0924\u093e\u092c"]
+    assert len(pre_tokenize(bpe_vocab(tmp_path, "qwen2"), text)) == 7
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_SPLITS))

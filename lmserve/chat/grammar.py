@@ -4,6 +4,13 @@ A grammar is compiled once per source (llguidance walks the vocabulary to build 
 the tokenizer is built on first use and compiled grammars are cached) and copied per sequence. Each
 decode step the sequence's constraint computes llguidance's token bitmask and sets every token it
 forbids to -inf in the host logits before sampling, then consumes the sampled token.
+
+llguidance is handed each token's bytes as the reply router sees them, special (control and
+end-of-generation) tokens marked as such. Read from the tokenizer's JSON instead, it takes every
+added token for a special one, USER_DEFINED tokens too (Gemma 4's `<|tool_call>` and `<|"|>`, real
+Qwen3 files' `<tool_call>`), and a special token never matches a grammar's text: the model's own
+marker token would be masked out. Matched by their text they mean what the router reads, as in
+llama.cpp's own grammar sampler.
 """
 
 from __future__ import annotations
@@ -87,6 +94,26 @@ class ForcedTokens:
             del self._ids[0]
 
 
+class _Vocabulary:
+    """The tokenizer as llguidance's TokenizerWrapper takes it: token bytes (special ones behind
+    llguidance's 0xFF mark), and text -> ids with special tokens parsed (priming a call grammar
+    with text that holds a control-token opener)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        special = tokenizer.special_ids
+        self.tokens = [b"\xff" + tokenizer.token_bytes(i) if i in special else tokenizer.token_bytes(i)
+                       for i in range(tokenizer.vocab_size)]
+        self.special_token_ids = sorted(special)
+        self.eos_token_id = tokenizer.eos_id
+        self.bos_token_id = tokenizer.bos_id
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tokenizer.encode(text, add_special=False, parse_special=True)
+
+
 class CompiledGrammar:
     """A compiled grammar in its start state; each sequence gets its own copy."""
 
@@ -122,8 +149,8 @@ class Grammars:
         with self._lock:
             if self._ll is None:
                 tok = self._tokenizer
-                self._ll = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=tok.vocab_size,
-                                                  eos_token=sorted(tok.eog_ids) or None)
+                self._ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tok)),
+                                                  n_vocab=tok.vocab_size, eos_token=sorted(tok.eog_ids) or None)
             return self._ll
 
     def compile(self, grammar: str) -> CompiledGrammar:

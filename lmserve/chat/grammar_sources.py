@@ -13,9 +13,11 @@ from typing import Any
 
 import llguidance
 
+from lmserve.chat.gemma4 import CALL_PREFIX, QUOTE
 from lmserve.chat.grammar import GrammarError
 from lmserve.chat.harmony import CALL, CHANNEL, CONSTRAIN, END, FUNCTIONS, MESSAGE, RECIPIENT, START
 from lmserve.chat.tool_format import (
+    GEMMA4,
     HARMONY,
     HERMES,
     LLAMA3,
@@ -93,14 +95,16 @@ def _text_value(rule: str, lo: int = 0, hi: int | None = None) -> str:
 
 def _xml_value(rule: str, schema: Any, tool: Tool) -> str:
     """One parameter's value up to and including `\n</parameter>\n`, as mlx-lm's qwen3_coder
-    parser reads it back by the declared type: strings verbatim, booleans lowercase, the rest JSON.
-    A value of no single type (unions, anyOf) is free text, which the parser reads as it can."""
+    parser reads it back by the declared type: strings verbatim, the rest JSON. Booleans as JSON
+    writes them or as the templates do (Qwen3-Coder's and Qwen3.5's `| string` gives Python's
+    `True`); the parser reads either. A value of no single type (unions, anyOf) is free text,
+    which the parser reads as it can."""
     schema = schema if isinstance(schema, dict) else {}
     kind, enum = schema.get("type"), schema.get("enum")
     if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum) and kind in (None, "string"):
         return f"{rule}: ({' | '.join(_lit(v) for v in enum)}) {_lit(PARAMETER_END)}"
     if kind == "boolean":
-        return f'{rule}: ("true" | "false") {_lit(PARAMETER_END)}'
+        return f'{rule}: ("true" | "false" | "True" | "False") {_lit(PARAMETER_END)}'
     if kind in _JSON_TYPES:
         sub = {**schema, "x-guidance": {**_json_options(tool), **(schema.get("x-guidance") or {})}}
         return f"{rule}: %json {json.dumps(sub)} {_lit(PARAMETER_END)}"
@@ -161,6 +165,101 @@ def _llama(tools: list[Tool], marker: Marker, fmt: ToolFormat, forced: bool) -> 
     return [f"start: {tag}{_lit('{' + NAME_KEY)} call", *_alternatives(bodies)]
 
 
+# Gemma 4: <|tool_call>call:N{key:value,...}<tool_call|>, values as the template's format_argument
+# writes them. Numbers, booleans and null are the same text as in JSON, so they are JSON subgrammars.
+GEMMA4_ANY = [
+    'g_value: g_string | g_object | g_array | g_number | "true" | "false" | "null"',
+    f"g_string: {_lit(QUOTE)} g_text",
+    f"g_text[suffix={_lit(QUOTE)}]: /(?s:.*)/",
+    'g_object: "{" (g_pair ("," g_pair)*)? "}"',
+    'g_pair: /[^\\s:,{}\\[\\]<>|"]+/ ":" g_value',
+    'g_array: "[" (g_value ("," g_value)*)? "]"',
+    "g_number: /-?(0|[1-9][0-9]{0,15})(\\.[0-9]{1,16})?([eE][+-]?[0-9]{1,2})?/",  # always a finite float
+]
+
+
+class _GemmaArguments:
+    """A tool's arguments in Gemma 4's notation, held to its schema as far as the notation allows:
+    types, `enum` / `const`, `anyOf` / `oneOf`, declared properties (in the template's order: it
+    sorts keys, case-insensitively, with `dictsort`; optional ones may be left out, undeclared ones
+    may not), array items, string lengths; numbers' bounds through their JSON subgrammar. A value
+    of a shape it cannot hold (`$ref`, `allOf`, ...) is any value."""
+
+    def __init__(self, tool: Tool, prefix: str) -> None:
+        self.rules: list[str] = []
+        self._options = _json_options(tool)
+        self._prefix = prefix
+
+    def _rule(self, body: str) -> str:
+        name = f"{self._prefix}_{len(self.rules)}"
+        self.rules.append(f"{name}: {body}")
+        return name
+
+    def value(self, schema: Any) -> str:
+        """A Lark expression for one value of `schema`."""
+        if not isinstance(schema, dict):
+            return "g_value"
+        choices = [schema["const"]] if "const" in schema else schema.get("enum")
+        if isinstance(choices, list) and choices and all(not isinstance(c, dict | list) for c in choices):
+            return "(" + " | ".join(_lit(f"{QUOTE}{c}{QUOTE}" if isinstance(c, str) else json.dumps(c))
+                                    for c in choices) + ")"
+        for key in ("anyOf", "oneOf"):
+            if isinstance(schema.get(key), list) and schema[key]:
+                return "(" + " | ".join(self.value(option) for option in schema[key]) + ")"
+        kind = schema.get("type", "object" if "properties" in schema else "array" if "items" in schema else None)
+        if isinstance(kind, list) and kind:
+            return "(" + " | ".join(self.value({**schema, "type": k}) for k in kind) + ")"
+        if kind == "string":
+            lo, hi = schema.get("minLength"), schema.get("maxLength")
+            count = f"{{{lo if isinstance(lo, int) else 0},{hi if isinstance(hi, int) else ''}}}"
+            name = f"{self._prefix}_{len(self.rules)}"
+            self.rules.append(f"{name}[suffix={_lit(QUOTE)}]: /(?s:.{count})/")
+            return f"{_lit(QUOTE)} {name}"
+        if kind in ("integer", "number", "boolean", "null"):
+            sub = {**schema, "x-guidance": {**self._options, **(schema.get("x-guidance") or {})}}
+            return self._rule(f"%json {json.dumps(sub)}")
+        if kind == "object":
+            return self.object(schema)
+        if kind == "array" and isinstance(schema.get("items"), dict):
+            item = self.value(schema["items"])
+            optional = "" if isinstance(schema.get("minItems"), int) and schema["minItems"] > 0 else "?"
+            return self._rule(f'"[" ({item} ("," {item})*){optional} "]"')
+        return "g_array" if kind == "array" else "g_value"
+
+    def object(self, schema: dict[str, Any]) -> str:
+        """`{k:v,...}`: the declared properties, in the template's order, comma-separated whichever
+        optional ones are left out."""
+        properties = schema.get("properties")
+        if not isinstance(properties, dict) or not properties:
+            return "g_object"
+        required = set(schema.get("required") or [])
+        members = [(self._rule(f"{_lit(key + ':')} {self.value(sub)}"), key in required)
+                   for key, sub in sorted(properties.items(), key=lambda item: item[0].lower())]
+
+        def rest(start: int) -> str:  # the members after `start`, each after a comma
+            return " ".join(f'"," {m}' if req else f'("," {m})?' for m, req in members[start:])
+
+        firsts = []  # one alternative per member that may come first: every one before it is optional
+        for i, (member, req) in enumerate(members):
+            firsts.append(f"{member} {rest(i + 1)}".strip())
+            if req:
+                break
+        empty = "" if any(req for _, req in members) else "?"
+        return self._rule(f'"{{" ({" | ".join(firsts)}){empty} "}}"')
+
+
+def _gemma4(tools: list[Tool], marker: Marker, fmt: ToolFormat) -> list[str]:
+    """`<|tool_call>call:N{...}<tool_call|>`: a strict tool's arguments held to its schema, any
+    object in the notation otherwise."""
+    bodies, rules = [], []
+    for i, tool in enumerate(tools):
+        arguments = _GemmaArguments(tool, f"a_{i}")
+        bodies.append(f"{_lit(tool.name)} {arguments.object(tool.parameters or {}) if tool.strict else 'g_object'}")
+        rules += arguments.rules
+    return [f"start: {marker(fmt.start)} {_lit(CALL_PREFIX)} call {marker(fmt.end)}", *_alternatives(bodies),
+            *rules, *GEMMA4_ANY]
+
+
 HARMONY_FORCED_THINKING = 1024  # tokens of analysis a forced call may start with
 
 
@@ -194,6 +293,8 @@ def call_grammar(fmt: ToolFormat, tools: list[Tool], marker: Marker, forced: boo
         rules = _llama(tools, marker, fmt, forced)
     elif fmt.family == HARMONY:
         rules = _harmony(tools, marker, forced)
+    elif fmt.family == GEMMA4:
+        rules = _gemma4(tools, marker, fmt)
     else:
         raise GrammarError(f"no call grammar for the {fmt.family} tool-call format")
     return llguidance.LLMatcher.grammar_from_lark("\n".join(rules))

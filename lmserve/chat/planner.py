@@ -14,8 +14,8 @@ from lmserve.chat import harmony, tool_format
 from lmserve.chat.grammar import CompiledGrammar, GrammarError, Grammars
 from lmserve.chat.grammar_sources import call_grammar, output_grammar
 from lmserve.chat.reply import ReplyPlan
-from lmserve.chat.reply_router import THINK_CLOSE, THINK_OPEN, CallRouting
-from lmserve.chat.tool_format import HARMONY, ToolFormat
+from lmserve.chat.reply_router import GEMMA4_THINK, THINK, CallRouting
+from lmserve.chat.tool_format import GEMMA4, HARMONY, ToolFormat
 from lmserve.core.errors import RequestError
 from lmserve.core.types import ChatRequest, OutputFormat, Tool
 from lmserve.model.chat_template import ChatTemplate
@@ -32,9 +32,11 @@ class ReplyPlanner:
         self.tokenizer = tokenizer
         self.template = template
         self.grammars = Grammars(tokenizer)
-        self.harmony = tool_format.family_of(template) == HARMONY  # gpt-oss: the reply is channels
-        self.think = not self.harmony and (template.supports_thinking or THINK_OPEN in template.source)
-        close = harmony.CLOSE_ANALYSIS if self.harmony else f"\n{THINK_CLOSE}\n\n"
+        family = tool_format.family_of(template)
+        self.harmony = family == HARMONY  # gpt-oss: the reply is channels
+        self.think_markers = GEMMA4_THINK if family == GEMMA4 else THINK
+        self.think = not self.harmony and (template.supports_thinking or self.think_markers.open in template.source)
+        close = harmony.CLOSE_ANALYSIS if self.harmony else self.think_markers.forced_close
         self._close_think = tokenizer.encode(close, add_special=False, parse_special=True)
         self._format: ToolFormat | None | object = _UNDETECTED
         self._format_lock = threading.Lock()
@@ -64,7 +66,8 @@ class ReplyPlanner:
         """Raises RequestError (400) for a grammar that does not compile or a tool_choice that
         names no offered tool. A forced tool_choice is a grammar over the whole reply in the
         family's own call format; under auto the same call grammar guards each call once it opens."""
-        plan = ReplyPlan(think=self.think, thinking_budget=request.thinking_budget, close_think=self._close_think)
+        plan = ReplyPlan(think=self.think, think_markers=self.think_markers, thinking_budget=request.thinking_budget,
+                         close_think=self._close_think)
         fmt_request = request.output_format
         if fmt_request is not None:
             plan.grammar = self._compile(lambda: output_grammar(fmt_request), fmt_request.param)
@@ -84,7 +87,8 @@ class ReplyPlanner:
             plan.call_grammar = self._call_grammar(fmt, tools, forced=False)
         if self.harmony:  # where the reply starts: a header, or inside a message the prompt opened
             plan.harmony = harmony.start_state(prompt, governed=plan.grammar is not None and not choice.forced)
-        plan.in_think = self.think and plan.grammar is None and prompt.rstrip().endswith(THINK_OPEN)
+        # Qwen3 / 3.5 with thinking on: the generation prompt opened `<think>`, the reply starts inside it
+        plan.in_think = self.think and plan.grammar is None and prompt.rstrip().endswith(self.think_markers.open)
         return plan
 
     def plan_completion(self, output_format: OutputFormat | None) -> ReplyPlan:

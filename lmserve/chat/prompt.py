@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+from typing import Any
 
-from lmserve.chat import hermes
+from lmserve.chat import gemma4, hermes
+from lmserve.chat.tool_format import GEMMA4, family_of
 from lmserve.core.errors import RequestError
 from lmserve.core.types import ChatRequest, Message, Tool
 from lmserve.model.chat_template import ChatTemplate, TemplateError
@@ -18,14 +21,17 @@ class PromptBuilder:
     def __init__(self, tokenizer: Tokenizer, template: ChatTemplate) -> None:
         self.tokenizer = tokenizer
         self.template = template
+        self._gemma4 = family_of(template) == GEMMA4
 
     def render(self, request: ChatRequest) -> str:
         """The prompt text. A template without tool support gets tools and tool history folded into
         plain turns (hermes), one with it gets past calls shaped the way it can render them
         (`fit_calls`); one that refuses a system turn gets it folded into the first user turn, one
-        that wants alternating roles gets consecutive user turns joined. Thinking is on only when
-        asked for and no grammar governs the reply; gpt-oss's `reasoning_effort` follows the
-        client's effort, "low" under a grammar."""
+        that wants alternating roles gets consecutive user turns joined. Thinking follows the
+        client where it says (else the template's default) and is off while a grammar governs the
+        reply; gpt-oss's `reasoning_effort` follows the client's effort, "low" under a grammar. A template that reads tool results from the call
+        turn (Gemma 4's older one) gets them folded there; where Gemma 4's template leaves the
+        model's turn unopened, it is opened."""
         template = self.template
         messages, tools = request.messages, request.offered_tools
         if template.supports_tools:
@@ -36,18 +42,50 @@ class PromptBuilder:
             messages = fold_system(messages)
         if template.alternates:
             messages = join_user_turns(messages)
-        kwargs = dict(request.template_kwargs)
-        if template.supports_thinking:
-            kwargs.setdefault("enable_thinking", request.reasoning and not request.constrained)
-        effort = "low" if request.constrained else request.reasoning_effort
-        if template.supports_effort and effort is not None:
-            kwargs.setdefault("reasoning_effort", effort)
+        kwargs = self._template_kwargs(request)
+        shaped = [m.to_template() for m in messages]
+        if template.results_on_call_turn:
+            shaped = results_onto_call_turns(shaped)
         try:
-            return template.render([m.to_template() for m in messages], add_generation_prompt=True,
-                                   tools=[self._tool(t) for t in tools] or None, **kwargs)
+            prompt = template.render(shaped, add_generation_prompt=True, tools=[self._tool(t) for t in tools] or None,
+                                     **kwargs)
+            if self._gemma4 and prompt.endswith(gemma4.TURN_END):
+                prompt += self._generation_prompt(kwargs)
+            return prompt
         except TemplateError as exc:
             raise RequestError(f"messages: the chat template rejected the conversation: {exc}",
                                400, "messages") from None
+
+    def _template_kwargs(self, request: ChatRequest) -> dict[str, Any]:
+        """The template variables of a request: its own, then thinking and effort as asked."""
+        kwargs = dict(request.template_kwargs)
+        if self.template.supports_thinking and (request.constrained or request.reasoning is not None):
+            kwargs.setdefault("enable_thinking", bool(request.reasoning) and not request.constrained)
+        effort = "low" if request.constrained else request.reasoning_effort
+        if self.template.supports_effort and effort is not None:
+            kwargs.setdefault("reasoning_effort", effort)
+        return kwargs
+
+    def history_end(self, request: ChatRequest, prompt_ids: list[int]) -> int:
+        """How many of the prompt's tokens precede the generation prompt the template appended (0
+        when they cannot be told apart): where the next turn's prompt, which renders this turn's
+        reply as history, parts from this one at the latest (Qwen3.5 writes the reply without this
+        turn's `<think>` opening), so a hybrid cache keeps a checkpoint there."""
+        opening = self.encode(self._generation_prompt(self._template_kwargs(request)))
+        if not opening or len(opening) >= len(prompt_ids) or prompt_ids[-len(opening):] != opening:
+            return 0
+        return len(prompt_ids) - len(opening)
+
+    def _generation_prompt(self, kwargs: dict[str, Any]) -> str:
+        """What the template writes to open the model's turn after a user turn. Gemma 4's template
+        writes nothing after tool results, which is right when the results end the model's turn so
+        far (it goes on in that turn), but leaves no turn open at all when the call turn also had
+        text (then `<turn|>` follows the results). llama.cpp appends `<|turn>model\n` there; this
+        appends the template's own opening, its empty thought channel included when thinking is off."""
+        probe = [{"role": "user", "content": "x"}]
+        opened = self.template.render(probe, add_generation_prompt=True, **kwargs)
+        closed = self.template.render(probe, add_generation_prompt=False, **kwargs)
+        return opened[len(closed):] if opened.startswith(closed) else gemma4.MODEL_TURN
 
     def _tool(self, tool: Tool) -> dict:
         """A tool as the template takes it; a missing description is given as empty text to a
@@ -64,6 +102,50 @@ class PromptBuilder:
 
     def build(self, request: ChatRequest) -> list[int]:
         return self.encode(self.render(request))
+
+
+def results_onto_call_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Template-shaped messages with each run of tool turns folded into the call turn before it as
+    `tool_responses` ({"name", "response"}: text that is JSON as its value, other text as sent), and
+    an answer right after them (text, no calls) joined to that turn: llama.cpp's shape for Gemma 4's
+    older template (`convert_tool_responses_gemma4`), which reads results only from there and
+    renders a tool turn as a turn of its own, a shape Gemma 4 was not taught. As in llama.cpp the call
+    turn keeps its calls and reasoning and not its text, which that template would render after the
+    results, as if it were the answer. A result is named after its call (by id), else by position."""
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(messages):
+        message = messages[i]
+        i += 1
+        calls = message.get("tool_calls") if message["role"] == "assistant" else None
+        if not calls:
+            out.append(message)
+            continue
+        turn: dict[str, Any] = {"role": "assistant", "tool_calls": calls}
+        responses = []
+        while i < len(messages) and messages[i]["role"] == "tool":
+            result = messages[i]
+            i += 1
+            position = calls[len(responses)]["function"]["name"] if len(responses) < len(calls) else None
+            responses.append({"name": result.get("name") or position or result.get("tool_call_id", ""),
+                              "response": _json_or_text(result.get("content", ""))})
+        if responses:
+            turn["tool_responses"] = responses
+        after = messages[i] if i < len(messages) else None
+        if after is not None and after["role"] == "assistant" and not after.get("tool_calls") and after.get("content"):
+            turn["content"] = after["content"]
+            i += 1
+        if message.get("reasoning_content"):
+            turn["reasoning_content"] = message["reasoning_content"]
+        out.append(turn)
+    return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def fold_system(messages: list[Message]) -> list[Message]:

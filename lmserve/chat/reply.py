@@ -18,7 +18,7 @@ import numpy as np
 
 from lmserve.chat.grammar import CompiledGrammar, Constraint, ForcedTokens
 from lmserve.chat.harmony import HarmonyRouter
-from lmserve.chat.reply_router import CallRouting, ReplyRouter, Router
+from lmserve.chat.reply_router import THINK, CallRouting, ReplyRouter, Router, ThinkMarkers
 from lmserve.chat.token_stream import StopFilter, TokenStream
 from lmserve.core.events import Event, TextDelta, TokenLogprob, ToolCallEvent
 
@@ -30,6 +30,7 @@ class ReplyPlan:
     """What the worker needs, beyond sampling, to decode one reply; built at admission."""
 
     think: bool = False  # route a leading think block to reasoning
+    think_markers: ThinkMarkers = THINK  # how the family writes that block
     in_think: bool = False  # the prompt itself opened the think block
     thinking_budget: int | None = None
     close_think: list[int] = field(default_factory=list)  # forced when the budget is spent
@@ -47,7 +48,7 @@ class ReplyDecoder:
         self.plan = plan
         self.stream = TokenStream(token_bytes)  # UTF-8 only: stop strings apply to the answer
         self.router: Router = (HarmonyRouter(plan.calls, plan.harmony) if plan.harmony
-                               else ReplyRouter(plan.think, plan.calls, plan.in_think))
+                               else ReplyRouter(plan.think, plan.calls, plan.in_think, plan.think_markers))
         self.stops = StopFilter(stop)
         self.constraint: Constraint | None = plan.grammar.constraint() if plan.grammar else None
         self._governing = self.constraint

@@ -1,9 +1,10 @@
 """Final reply text -> answer, reasoning and tool-call events.
 
 Runs after TokenStream (UTF-8 safety) and before StopFilter (stop strings, on answer text only). A leading
-`<think>...</think>` becomes ReasoningDelta; with tools offered, each call in the model family's own
-format (`chat/tool_format.py`) becomes ToolCallEvent once it closes: at its end marker, or where its
-JSON ends for the families without one (Mistral, Llama). Text that could still be the start of a
+`<think>...</think>` (Gemma 4: `<|channel>thought...<channel|>`, anywhere in the reply) becomes
+ReasoningDelta; with tools offered, each call in the model family's own format (`chat/tool_format.py`)
+becomes ToolCallEvent once it closes: at its end marker, or where its JSON ends for the families
+without one (Mistral, Llama). Text that could still be the start of a
 marker is held back, as TokenStream holds back stop strings, so a marker split across tokens never
 leaks into the answer. A call that does not parse passes through as text, markers and all.
 gpt-oss's harmony channels have their own router (`chat/harmony.py`) with the same interface.
@@ -15,10 +16,27 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from lmserve.chat import gemma4
 from lmserve.chat.tool_format import CallScanner, ParsedCall, ToolFormat
 from lmserve.core.events import Event, ReasoningDelta, TextDelta, TokenLogprob, ToolCallEvent
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+@dataclass(frozen=True)
+class ThinkMarkers:
+    """How a family writes its reasoning block, and what closes it when thinking has spent its
+    budget. `anywhere`: a block may also open later in the reply and a stray closer there is dropped
+    (Gemma 4: llama.cpp's parser takes thought channels between any two pieces of the answer, as
+    replies end with an extra empty one or a lone `<channel|>`); otherwise only a leading block is
+    reasoning and the rest is the model's text, whatever it says."""
+
+    open: str
+    close: str
+    forced_close: str
+    anywhere: bool = False
+
+
+THINK = ThinkMarkers("<think>", "</think>", "\n</think>\n\n")
+GEMMA4_THINK = ThinkMarkers(gemma4.THOUGHT_OPEN, gemma4.CHANNEL_CLOSE, "\n" + gemma4.CHANNEL_CLOSE, anywhere=True)
 LEAD_GAP = " \t\r\n;"  # what may sit between two Llama calls (or before the first)
 
 
@@ -112,14 +130,19 @@ class ReplyRouter(Router):
     think: bool = False  # the model has a reasoning channel: route a leading think block
     calls: CallRouting | None = None
     in_think: bool = False  # the prompt already opened the think block
+    markers: ThinkMarkers = THINK
     _skip_space: bool = field(init=False, default=False)  # drop whitespace after a closed block
     _lead: bool = field(init=False, default=True)  # where the answer starts or a call just ended
     _opener: str = field(init=False, default="")  # the open call's opener, as written
     _scan: CallScanner | None = field(init=False, default=None)
+    _watch: tuple[str, ...] = field(init=False, default=())  # the markers looked for in answer text
 
     def __post_init__(self) -> None:
         self._state = "think" if self.in_think else "start" if self.think else "text"
         self._skip_space = self.in_think
+        start = self.calls.format.start if self.calls else ""
+        anywhere = (self.markers.open, self.markers.close) if self.think and self.markers.anywhere else ()
+        self._watch = tuple(m for m in (start, *anywhere) if m)
 
     @property
     def open_call(self) -> str | None:
@@ -152,7 +175,7 @@ class ReplyRouter(Router):
 
     def _start(self, final: bool) -> bool:
         head = self._buf.lstrip()
-        for marker, state in ((THINK_OPEN, "think"), (THINK_CLOSE, "text")):  # a stray closer is dropped
+        for marker, state in ((self.markers.open, "think"), (self.markers.close, "text")):  # a stray closer is dropped
             if head.startswith(marker):
                 self._buf, self._state, self._skip_space = head[len(marker):], state, True
                 self._logprobs = []  # logprobs describe answer tokens only
@@ -163,14 +186,15 @@ class ReplyRouter(Router):
         return True
 
     def _in_think(self, out: list[Event], final: bool) -> bool:
-        at = self._buf.find(THINK_CLOSE)
+        close = self.markers.close
+        at = self._buf.find(close)
         if at == -1:
-            keep = 0 if final else partial_suffix(self._buf, THINK_CLOSE)
+            keep = 0 if final else partial_suffix(self._buf, close)
             self._reasoning(out, self._buf[:len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             return False
         self._reasoning(out, self._buf[:at])
-        self._buf, self._state, self._skip_space = self._buf[at + len(THINK_CLOSE):], "text", True
+        self._buf, self._state, self._skip_space = self._buf[at + len(close):], "text", True
         self._logprobs = []
         return True
 
@@ -184,15 +208,21 @@ class ReplyRouter(Router):
             if not rest and not final:
                 return False  # only a gap so far: hold it until something shows
             self._lead = False
-        start = fmt.start if fmt else ""
-        at = self._buf.find(start) if start else -1
-        if at == -1:
-            keep = partial_suffix(self._buf, start) if start and not final else 0
+        found = [(at, m) for m in self._watch if (at := self._buf.find(m)) != -1]
+        if not found:
+            keep = 0 if final else max((partial_suffix(self._buf, m) for m in self._watch), default=0)
             self._text(out, self._buf[:len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             return False
+        at, marker = min(found)
         self._text(out, self._buf[:at])
-        self._open(start, self._buf[at + len(start):])
+        rest = self._buf[at + len(marker):]
+        if marker == self.markers.open:  # a later thought block (Gemma 4)
+            self._buf, self._state, self._skip_space, self._logprobs = rest, "think", True, []
+        elif marker == self.markers.close:  # a stray closer: dropped
+            self._buf = rest
+        else:
+            self._open(marker, rest)
         return True
 
     def _open(self, opener: str, body: str) -> None:

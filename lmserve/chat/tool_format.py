@@ -2,12 +2,13 @@
 
 The family comes from markers in the chat template (our own table, in the spirit of mlx-lm's
 template sniffing): hermes `<tool_call>` JSON (Qwen2.5, Qwen3, and every template without tools,
-which gets the hermes section from `chat/hermes.py`), Qwen3-Coder's `<function=...>` XML, Mistral's
-`[TOOL_CALLS]name[ARGS]{...}`, Llama 3.x's bare `{"name": ..., "parameters": ...}` JSON and gpt-oss's
-harmony channels (routed by `chat/harmony.py`). Bodies are parsed with `mlx_lm.tool_parsers` where
-it has the format (hermes, Qwen3-Coder, Mistral, and the other families it knows, parse-only); Llama
-and harmony parsing is ours. Importing mlx_lm pulls in transformers (about a second), so it happens
-on the first request that offers tools, not at startup.
+which gets the hermes section from `chat/hermes.py`), Qwen3-Coder's `<function=...>` XML (also
+Qwen3.5 / 3.6's), Mistral's `[TOOL_CALLS]name[ARGS]{...}`, Llama 3.x's bare `{"name": ...,
+"parameters": ...}` JSON, Gemma 4's `<|tool_call>call:name{...}<tool_call|>` notation
+(`chat/gemma4.py`) and gpt-oss's harmony channels (routed by `chat/harmony.py`). Bodies are parsed
+with `mlx_lm.tool_parsers` where it has the format right (hermes, Qwen3-Coder, Mistral, and the other
+families it knows, parse-only); Llama, Gemma 4 and harmony parsing is ours. Importing mlx_lm pulls in
+transformers (about a second), so it happens on the first request that offers tools, not at startup.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lmserve.chat import gemma4
 from lmserve.model.chat_template import ChatTemplate
 
 log = logging.getLogger("lmserve.tools")
@@ -29,7 +31,8 @@ QWEN3_CODER = "qwen3_coder"
 MISTRAL = "mistral"
 LLAMA3 = "llama3_json"
 HARMONY = "harmony"
-GRAMMAR_FAMILIES = frozenset({HERMES, QWEN3_CODER, MISTRAL, LLAMA3, HARMONY})  # forced calls compile for these
+GEMMA4 = "gemma4"
+GRAMMAR_FAMILIES = frozenset({HERMES, QWEN3_CODER, MISTRAL, LLAMA3, HARMONY, GEMMA4})  # forced calls compile for these
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 MISTRAL_START, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 PYTHON_TAG = "<|python_tag|>"
@@ -40,7 +43,7 @@ Parser = Callable[[str, Any], Any]
 TEMPLATE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (HARMONY, ("<|channel|>", "<|call|>")),
     ("minimax_m2", ("<minimax:tool_call>",)),
-    ("gemma4", ("<|tool_call>", "<tool_call|>")),
+    (GEMMA4, (gemma4.CALL_OPEN, gemma4.CALL_CLOSE)),
     ("function_gemma", ("<start_function_call>",)),
     ("longcat", ("<longcat_tool_call>",)),
     ("glm47", ("<arg_key>",)),
@@ -89,6 +92,8 @@ class ToolFormat:
 
     def scanner(self) -> CallScanner:
         """Finds where a call that just opened ends, fed its body as it grows."""
+        if self.family == GEMMA4:
+            return QuotedMarkerEnd(self.end, gemma4.QUOTE)
         if self.end:
             return MarkerEnd(self.end)
         return MistralEnd() if self.family == MISTRAL else JsonEnd()
@@ -108,10 +113,11 @@ class ToolFormat:
 
 
 def parsed_call(name: Any, arguments: Any, names: frozenset[str]) -> ParsedCall:
-    """A call to an offered tool with object arguments; ValueError otherwise."""
+    """A call to an offered tool with object arguments; ValueError otherwise (also for a number
+    no JSON can carry, such as 1e999, which reads as infinity)."""
     if not isinstance(name, str) or name not in names:
         raise ValueError(f"call to a tool that was not offered: {name!r}")
-    return ParsedCall(name, json.dumps(_arguments(arguments), ensure_ascii=False))
+    return ParsedCall(name, json.dumps(_arguments(arguments), ensure_ascii=False, allow_nan=False))
 
 
 def _arguments(value: Any) -> dict[str, Any]:
@@ -146,6 +152,33 @@ class MarkerEnd(CallScanner):
         at = body.find(self._marker, max(0, self._seen - len(self._marker) + 1))
         self._seen = len(body)
         return None if at == -1 else at + len(self._marker)
+
+
+class QuotedMarkerEnd(CallScanner):
+    """The end marker outside quoted strings: Gemma 4's `<|"|>` strings may hold `<tool_call|>`
+    (the call grammar allows it there, and the parser reads it as text)."""
+
+    def __init__(self, marker: str, quote: str) -> None:
+        self._marker, self._quote = marker, quote
+        self._longest = max(len(marker), len(quote))
+        self._at = 0  # next character to scan
+        self._quoted = False
+
+    def end(self, body: str) -> int | None:
+        at = self._at
+        while at < len(body):
+            rest = body[at:at + self._longest]
+            if rest.startswith(self._quote):
+                self._quoted = not self._quoted
+                at += len(self._quote)
+                continue
+            if not self._quoted and rest.startswith(self._marker):
+                return at + len(self._marker)
+            if len(rest) < self._longest and (self._quote.startswith(rest) or self._marker.startswith(rest)):
+                break  # may still become a marker
+            at += 1
+        self._at = at
+        return None
 
 
 class JsonEnd(CallScanner):
@@ -261,6 +294,8 @@ def detect(template: ChatTemplate, vocab: dict[str, int]) -> ToolFormat | None:
         return ToolFormat(LLAMA3, PYTHON_TAG, "", _llama_json, lead="{")
     if family == HARMONY:
         return ToolFormat(HARMONY, "", "", _json_body)  # the body is the arguments; harmony.py names the call
+    if family == GEMMA4:
+        return ToolFormat(GEMMA4, gemma4.CALL_OPEN, gemma4.CALL_CLOSE, gemma4.parse_call)
     try:
         module = importlib.import_module(f"mlx_lm.tool_parsers.{family}")
     except ImportError:

@@ -172,7 +172,9 @@ class ChatRequest:
     tools: list[Tool] = field(default_factory=list)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     output_format: OutputFormat | None = None
-    reasoning: bool = False  # the client asked for a reasoning channel (thinking)
+    # Whether the client asked for a reasoning channel (thinking): None when it did not say, and
+    # the template's own default applies (Qwen3 / 3.5 think, Gemma 4 does not).
+    reasoning: bool | None = None
     # "low" | "medium" | "high" for templates that take a `reasoning_effort` (gpt-oss's harmony);
     # None: the client did not say, the template's own default applies
     reasoning_effort: str | None = None

@@ -64,10 +64,28 @@ class Engine(Protocol[C]):
     # matrix products); False where every row costs a full step (MLX's CPU backend), and prompt
     # lookup is then off unless asked for.
     cheap_verify: bool = True
+    # Hybrid models: recurrent-state checkpoints each cache keeps (`engine/checkpoints.py`); the
+    # runtime sets it (--kv-checkpoints) before making caches.
+    checkpoints_per_cache: int = 8
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one cached position costs this process (what the RAM guard prices)."""
         return math.ceil(self.config.kv_bytes_per_token(self.kv_dtype_bytes) * self.kv_share)
+
+    def state_bytes(self) -> int:
+        """Bytes one copy of a sequence's recurrent state costs this process (0 without recurrent
+        layers): a hybrid cache holds its current state and up to `checkpoints_per_cache` more."""
+        return math.ceil(self.config.recurrent_state_bytes(self.kv_dtype_bytes) * self.kv_share)
+
+    def resume_point(self, cache: C, n: int) -> int:
+        """The longest prefix of at most `n` positions that `truncate` and `copy_prefix` reach
+        without recomputing any position: `n` where every layer is attention; for a hybrid cache
+        the latest checkpoint at or below `n` (0 when none), or `n` itself at the cache's length."""
+        return n
+
+    def checkpoint(self, cache: C) -> None:
+        """Keep a hybrid cache's recurrent state at its current length, so that it can later be cut
+        back there exactly and cheaply (nothing to keep where every layer is attention)."""
 
     def new_cache(self, max_tokens: int) -> C:
         """An empty cache for up to `max_tokens` positions (memory is allocated as it fills)."""
@@ -92,19 +110,24 @@ class Engine(Protocol[C]):
         appends each `token_ids[i]` (one or more) to `caches[i]` and returns, per sequence, the
         logits of every new position `[len(token_ids[i]), vocab]`. Shorter lists may be padded
         inside the pass, so every cache needs room for the longest; the caller truncates back
-        whatever it rejects."""
+        whatever it rejects. A hybrid cache keeps its recurrent state from before the pass, so
+        that cutting back into the pass recomputes only the positions kept."""
         ...
 
     def truncate(self, cache: C, n: int) -> None:
-        """Keep only the first `n` positions."""
+        """Keep only the first `n` positions. A hybrid cache restores its latest checkpoint at or
+        below `n` and recomputes the positions after it (`resume_point` says how far that is)."""
         ...
 
     def copy_prefix(self, src: C, dst: C, n: int) -> None:
-        """Make `dst` hold exactly the first `n` positions of `src` (positions kept)."""
+        """Make `dst` hold exactly the first `n` positions of `src` (positions kept; a hybrid
+        cache's checkpoints up to `n` too, and the positions past `resume_point(src, n)` are
+        recomputed)."""
         ...
 
     def save_cache(self, cache: C, path: Path) -> None:
-        """Write the cache's valid positions to exactly `path` (whatever its suffix)."""
+        """Write the cache's valid positions to exactly `path` (whatever its suffix); a hybrid
+        cache's recurrent state, checkpoints and token ids with them."""
         ...
 
     def load_cache(self, path: Path, max_tokens: int) -> C:

@@ -1,4 +1,4 @@
-"""NumPy implementation of the Engine protocol: runs anywhere, float32 throughout."""
+"""NumPy implementation of the Engine protocol: runs anywhere, activations and caches in float32."""
 
 from lmserve.engine.protocol import CacheFullError
 from lmserve.engine_cpu.cache import CPUCache

@@ -4,13 +4,19 @@ Weight matrices stay in the file's quants where compiled kernels can read them (
 are dequantized to float32 otherwise.
 
 A step stacks the hidden states of every row it advances (all prompt tokens in prefill, one token
-per sequence in batched decode), so each weight matrix is read once per step; only attention runs
-per sequence, over that sequence's own cache. A mixture-of-experts FFN groups the rows by the
-experts they are routed to, so each selected expert's matrices are read once per step and the
-others not at all.
+per sequence in batched decode), so each weight matrix is read once per step; only the mixers
+(attention, Gated DeltaNet's recurrence) run per sequence, over that sequence's own cache
+(`batch.py`). A mixture-of-experts FFN groups the rows by the experts they are routed to
+(`moe.py`), so each selected expert's matrices are read once per step and the others not at all.
 
 Sliding-window layers keep every position in the cache like the others (so truncating, copying
 and saving a cache stay one slice), and attend to the window's positions only.
+
+Hybrid models (Qwen3.5 / 3.6) keep each recurrent layer's state instead of its keys and values
+(`cache.py`). Cutting such a cache back restores the latest state it kept at or below the cut (a
+checkpoint, or the state from before the last verify pass) and feeds the remembered token ids from
+there to the cut again, a prefill without logits: truncating, copying a prefix or loading gives
+the cache that was fed the prefix.
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ from pathlib import Path
 import numpy as np
 
 from lmserve.engine.protocol import Engine, check_token_ids, verify_rows
-from lmserve.engine_cpu import ops
-from lmserve.engine_cpu.cache import CPUCache
-from lmserve.engine_cpu.weights import ExpertWeights, load_weights
+from lmserve.engine_cpu import delta_net, ops
+from lmserve.engine_cpu.attention import attend
+from lmserve.engine_cpu.batch import Batch
+from lmserve.engine_cpu.cache import CPUCache, Layout
+from lmserve.engine_cpu.ffn import feed_forward
+from lmserve.engine_cpu.weights import DeltaNetWeights, load_weights
 from lmserve.model.config import ModelConfig
-from lmserve.model.families import ROUTE_TOPK_SOFTMAX
 from lmserve.model.gguf_file import GGUFFile
 
 PREFILL_CHUNK = 256  # prompt tokens per forward pass: bounds the attention scores' memory
@@ -34,10 +42,10 @@ PREFILL_CHUNK = 256  # prompt tokens per forward pass: bounds the attention scor
 
 class CPUEngine(Engine[CPUCache]):
     """Every family of `model/families.py` (Llama, Mistral, Qwen2, Qwen3, Qwen3 MoE, Gemma 3,
-    Phi-3, gpt-oss) on NumPy float32 and quantized-matrix kernels."""
+    Phi-3, gpt-oss, Qwen3.5 and its MoE, Gemma 4) on NumPy float32 and quantized-matrix kernels."""
 
     name = "cpu"
-    kv_dtype_bytes = 4  # keys and values are cached as float32
+    kv_dtype_bytes = 4  # keys, values and recurrent states are cached as float32
     quant_summary = ""  # the file's own values are kept (quantized or float32): nothing converted to report
     device_argmax = False  # the logits are on the host already: an argmax here saves nothing
 
@@ -52,6 +60,7 @@ class CPUEngine(Engine[CPUCache]):
         quantized = kernels_available() if quantized is None else quantized
         self.weights = load_weights(gguf, config, progress, available_memory, quantized)
         self._activation = ops.GATED_ACTIVATIONS[config.activation]
+        self._layout = Layout.of(config)
         self.weight_bytes = self.weights.nbytes
         kind = "int8-block kernels" if quantized else "float32"
         self.device = f"numpy, {kind} ({len(os.sched_getaffinity(0))} cpus)"
@@ -59,19 +68,32 @@ class CPUEngine(Engine[CPUCache]):
     # -- caches ------------------------------------------------------------------------------
 
     def new_cache(self, max_tokens: int) -> CPUCache:
-        return CPUCache(self.config, max_tokens)
+        return CPUCache(self._layout, max_tokens, self.checkpoints_per_cache)
+
+    def resume_point(self, cache: CPUCache, n: int) -> int:
+        return _own(cache).resume_point(n)
+
+    def checkpoint(self, cache: CPUCache) -> None:
+        _own(cache).checkpoint()
 
     def truncate(self, cache: CPUCache, n: int) -> None:
-        _own(cache).truncate(n)
+        c = _own(cache)
+        self._feed(c, c.truncate(n))
 
     def copy_prefix(self, src: CPUCache, dst: CPUCache, n: int) -> None:
-        _own(src).copy_prefix_to(_own(dst), n)
+        d = _own(dst)
+        self._feed(d, _own(src).copy_prefix_to(d, n))
 
     def save_cache(self, cache: CPUCache, path: Path) -> None:
         _own(cache).save(path)
 
     def load_cache(self, path: Path, max_tokens: int) -> CPUCache:
-        return CPUCache.load(self.config, path, max_tokens)
+        return CPUCache.load(self._layout, path, max_tokens, self.checkpoints_per_cache)
+
+    def _feed(self, cache: CPUCache, ids: np.ndarray) -> None:
+        """Feed the token ids a cut-back hybrid cache recomputes (no logits; room is there)."""
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            self._forward(ids[start:start + PREFILL_CHUNK], [cache])
 
     # -- inference ---------------------------------------------------------------------------
 
@@ -83,8 +105,7 @@ class CPUEngine(Engine[CPUCache]):
         c.reserve(c.length + len(ids))
         logits = []
         for start in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[start:start + PREFILL_CHUNK]
-            h = self._forward(chunk, [c])
+            h = self._forward(ids[start:start + PREFILL_CHUNK], [c])
             if all_logits:
                 logits.append(self._logits(h))
         return np.concatenate(logits) if all_logits else self._logits(h[-1:])[0]
@@ -105,107 +126,58 @@ class CPUEngine(Engine[CPUCache]):
 
     def verify(self, caches: Sequence[CPUCache], token_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """One pass over the weights for all lists: each is padded to the longest with its own
-        last token (causal attention keeps the real rows blind to it), and the padding is
-        truncated away again."""
+        last token (causal attention keeps the real rows blind to it, and no recurrent state
+        sees it), and each cache advances by its own list only. A hybrid cache keeps its state
+        from before the pass, so cutting back into it recomputes only the tokens kept."""
         own = [_own(c) for c in caches]
         lengths, ids = verify_rows(own, token_ids, self.config.vocab_size)
         width = ids.shape[1]
         for c in own:
             c.reserve(c.length + width)
-        h = self._forward(ids.reshape(-1), own)
-        for c, n in zip(own, lengths, strict=True):
-            c.truncate(c.length - (width - n))
+            c.keep()
+        h = self._forward(ids.reshape(-1), own, lengths)
         real = np.concatenate([np.arange(i * width, i * width + n) for i, n in enumerate(lengths)])
         return np.split(self._logits(h[real]), np.cumsum(lengths)[:-1])
 
-    def _forward(self, ids: np.ndarray, caches: list[CPUCache]) -> np.ndarray:
+    def _forward(self, ids: np.ndarray, caches: list[CPUCache], real: list[int] | None = None) -> np.ndarray:
         """Run rows `ids` through every layer and return the last hidden states `[n, hidden]`.
-        One cache extends by all rows (prefill), or each of several by one row (decode);
-        room is already reserved."""
+        One cache extends by all rows (prefill), or each of several by as many (decode, verify:
+        `real` of them kept per cache); room is already reserved."""
         cfg, w = self.config, self.weights
-        nq, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        per_cache = len(ids) // len(caches)
-        spans = [(c, c.length, i * per_cache, (i + 1) * per_cache) for i, c in enumerate(caches)]
-        positions = np.concatenate([np.arange(s, s + per_cache) for _, s, _, _ in spans])
-        tables = ops.rope_tables(positions, w.rope.inv_freq, w.rope.scale)
-        local = tables if w.rope_local is None else ops.rope_tables(positions, w.rope_local.inv_freq,
+        batch = Batch(caches, len(ids) // len(caches), real)
+        tables = ops.rope_tables(batch.positions, w.rope.inv_freq, w.rope.scale)
+        local = tables if w.rope_local is None else ops.rope_tables(batch.positions, w.rope_local.inv_freq,
                                                                    w.rope_local.scale)
         h = w.embed[ids]
         if cfg.embed_scale != 1.0:
             h = h * np.float32(cfg.embed_scale)  # rounded to float32 first, as Gemma does
         for li, layer in enumerate(w.layers):
             x = ops.rms_norm(h, layer.attn_norm, cfg.rms_eps)
-            qkv = ops.linear(x, layer.qkv)
-            if layer.qkv_bias is not None:
-                qkv += layer.qkv_bias
-            qkv = qkv.reshape(len(ids), nq + 2 * nkv, hd)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                qkv[:, :nq] = ops.rms_norm(qkv[:, :nq], layer.q_norm, cfg.rms_eps)
-                qkv[:, nq:nq + nkv] = ops.rms_norm(qkv[:, nq:nq + nkv], layer.k_norm, cfg.rms_eps)
-            qk = ops.rope(qkv[:, :nq + nkv], *(local if layer.local_rope else tables))  # Q and K in one pass
-            q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
-            attn = np.empty((len(ids), nq * hd), dtype=np.float32)
-            for c, s, lo, hi in spans:
-                end = s + per_cache
-                c.k[li, :, s:end] = k[lo:hi].transpose(1, 0, 2)
-                c.v[li, :, s:end] = v[lo:hi].transpose(1, 0, 2)
-                attn[lo:hi] = ops.attention(q[lo:hi], c.k[li, :, :end], c.v[li, :, :end], s,
-                                            cfg.attention_scale, layer.window, layer.sinks)
-            out = ops.linear(attn, layer.o)
-            if layer.o_bias is not None:
-                out += layer.o_bias
+            mixer = layer.mixer
+            if isinstance(mixer, DeltaNetWeights):
+                out = delta_net.mix(x, mixer, batch, li, cfg.linear_attention, cfg.rms_eps)
+            else:
+                out = attend(x, mixer, batch, li, local if mixer.local_rope else tables, cfg.attention_scale,
+                             cfg.rms_eps)
             if layer.post_attn_norm is not None:
                 out = ops.rms_norm(out, layer.post_attn_norm, cfg.rms_eps)
             h += out  # h is this pass's own array (the embedding rows were copied out)
-            x = ops.rms_norm(h, layer.ffn_norm, cfg.rms_eps)
-            if layer.experts is not None:
-                out = self._moe(x, layer.experts)
-            else:
-                out = ops.linear(self._activation(ops.linear(x, layer.gate_up)), layer.down)
-            if layer.post_ffn_norm is not None:
-                out = ops.rms_norm(out, layer.post_ffn_norm, cfg.rms_eps)
-            h += out
-        for c in caches:
-            c.length += per_cache
+            h += feed_forward(h, layer, cfg, self._activation)
+            if layer.out_scale is not None:
+                h *= layer.out_scale
+        batch.finish(ids)
         return h
 
-    def _moe(self, x: np.ndarray, m: ExpertWeights) -> np.ndarray:
-        """Route each row to its top-k experts and sum their outputs, weighted. Rows are grouped
-        by expert: each selected expert runs once, on the rows routed to it."""
-        cfg = self.config
-        k = cfg.n_experts_used
-        logits = ops.linear(x, m.router)
-        if m.router_bias is not None:
-            logits += m.router_bias
-        chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :k]  # [n, k]
-        if cfg.router == ROUTE_TOPK_SOFTMAX:  # gpt-oss: softmax over the k chosen logits
-            weights = ops.softmax(np.take_along_axis(logits, chosen, axis=-1))
-        else:  # softmax over every expert, keep the chosen, renormalize (Qwen3 MoE)
-            weights = np.take_along_axis(ops.softmax(logits), chosen, axis=-1)
-            weights /= weights.sum(axis=-1, keepdims=True)
-        flat, flat_weights = chosen.ravel(), weights.ravel()
-        order = np.argsort(flat, kind="stable")  # (row, slot) pairs grouped by expert
-        counts = np.bincount(flat, minlength=cfg.n_experts)
-        out = np.zeros_like(x)
-        stop = 0
-        for expert, count in enumerate(counts.tolist()):
-            if not count:
-                continue
-            pairs = order[stop:stop + count]
-            stop += count
-            rows = pairs // k  # distinct: a row picks an expert at most once
-            gate_up = ops.linear(x[rows], m.gate_up[expert])
-            if m.gate_up_bias is not None:
-                gate_up += m.gate_up_bias[expert]
-            y = ops.linear(self._activation(gate_up), m.down[expert])
-            if m.down_bias is not None:
-                y += m.down_bias[expert]
-            out[rows] += y * flat_weights[pairs, None]
-        return out
-
     def _logits(self, h: np.ndarray) -> np.ndarray:
-        """Final norm and output head: `[n, hidden]` -> `[n, vocab]`."""
-        return ops.linear(ops.rms_norm(h, self.weights.output_norm, self.config.rms_eps), self.weights.output)
+        """Final norm and output head: `[n, hidden]` -> `[n, vocab]`; softcapped where the model
+        caps its logits (Gemma 4: cap * tanh(logits / cap))."""
+        logits = ops.linear(ops.rms_norm(h, self.weights.output_norm, self.config.rms_eps), self.weights.output)
+        cap = self.config.final_softcap
+        if cap:
+            logits /= np.float32(cap)
+            np.tanh(logits, out=logits)
+            logits *= np.float32(cap)
+        return logits
 
 
 def kernels_available() -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 
@@ -55,8 +56,9 @@ def linear(x: np.ndarray, w: np.ndarray | QuantMatrix) -> np.ndarray:
     return out
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm over the last axis: `x / sqrt(mean(x^2) + eps) * weight`. Written out in place
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis: `x / sqrt(mean(x^2) + eps) * weight` (no weight: Gemma 4's
+    value norm). Written out in place
     (np.mean's Python wrapper costs more than the arithmetic on one row); the same bits as
     `np.mean(np.square(x), -1, dtype=float32)`: float32 sum, then the division by the count
     (np.mean divides in float64 and rounds, which for one division is the same)."""
@@ -65,7 +67,17 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     scale += np.float32(eps)
     np.sqrt(scale, out=scale)
     out = np.divide(x, scale)
-    out *= weight
+    if weight is not None:
+        out *= weight
+    return out
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """The logistic function in its tanh form, which never overflows: (tanh(x / 2) + 1) / 2."""
+    out = np.multiply(x, np.float32(0.5))
+    np.tanh(out, out=out)
+    out += np.float32(1)
+    out *= np.float32(0.5)
     return out
 
 
@@ -107,6 +119,12 @@ def swiglu_oai_mul(gate_up: np.ndarray) -> np.ndarray:
 
 
 GATED_ACTIVATIONS = {SILU: silu_mul, GELU_TANH: gelu_tanh_mul, SWIGLU_OAI: swiglu_oai_mul}
+
+
+def gated_ffn(x: np.ndarray, gate_up: np.ndarray | QuantMatrix, down: np.ndarray | QuantMatrix,
+              activation: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """A dense gated FFN: `down(activation(gate_up(x)))`, gate and up in one fused matrix."""
+    return linear(activation(linear(x, gate_up)), down)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

@@ -5,7 +5,9 @@ gate/up into another: one matrix product per fused weight instead of three or tw
 GGUF's `[out, in]` row order, C-contiguous (measured: `W @ x.T` is as fast as or faster than any
 pre-transposed layout for one row and for small batches, and it costs no transpose at load).
 Phi-3 files fuse Q/K/V and gate/up themselves; MoE experts are fused the same way, one
-`[2 * ffn, hidden]` gate/up matrix per expert.
+`[2 * ffn, hidden]` gate/up matrix per expert, and so are Gated DeltaNet's projections (q/k/v with
+the output gate z, beta with alpha). Each layer's mixer is an `AttentionWeights` or, in Qwen3.5's
+recurrent layers, a `DeltaNetWeights`.
 
 Tensors are dequantized 64K values at a time straight into their place in the fused matrices,
 which all live in one arena (see `_Loader`): no extra copies, temporaries that stay in cache, and
@@ -24,8 +26,8 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, fields, is_dataclass
 
 import numpy as np
 import psutil
@@ -35,6 +37,7 @@ from gguf import quants as gguf_quants
 from lmserve.engine_cpu.qmatrix import QuantMatrix
 from lmserve.engine_cpu.quant_blocks import SUPPORTED, unpack
 from lmserve.model.config import ROPE_INTERLEAVED, ModelConfig, YarnScaling
+from lmserve.model.families import ROUTE_GEMMA4
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
 
 ALIGN = 16  # float32 values: every array starts on a 64-byte cache line
@@ -49,6 +52,16 @@ Matrix = np.ndarray | QuantMatrix
 
 
 @dataclass
+class SharedExpert:
+    """Qwen3.5 MoE: an expert every token runs beside its routed ones, its output scaled by
+    sigmoid(x . gate)."""
+
+    gate: np.ndarray  # [hidden]
+    gate_up: Matrix  # [2 * ffn, hidden]: gate rows, then up rows
+    down: Matrix  # [hidden, ffn]
+
+
+@dataclass
 class ExpertWeights:
     """A mixture-of-experts FFN: the router and every expert, stacked on a leading expert axis."""
 
@@ -58,28 +71,61 @@ class ExpertWeights:
     gate_up_bias: np.ndarray | None  # [experts, 2 * ffn]
     down: np.ndarray  # [experts, hidden, ffn]
     down_bias: np.ndarray | None  # [experts, hidden]
+    shared: SharedExpert | None = None
+    # Gemma 4: the router reads the residual stream RMS-normalized, times this and 1/sqrt(hidden)
+    # (not the experts' input), and each chosen expert's weight is times its own `expert_scale`.
+    router_scale: np.ndarray | None = None  # [hidden]
+    expert_scale: np.ndarray | None = None  # [experts]
+    norm: np.ndarray | None = None  # Gemma 4: the experts' own pre-norm (beside the dense FFN's)
+    post_norm: np.ndarray | None = None  # and post-norm, before the two outputs are summed
+
+
+@dataclass
+class AttentionWeights:
+    """Grouped-query attention of one layer. Matrices are `[out, in]`; biases and norms are vectors."""
+
+    qkv: Matrix  # rows: Q heads (each a query then its gate with `output_gate`), K heads, V heads
+    o: Matrix
+    heads: tuple[int, int, int]  # query heads, KV heads, head size
+    qkv_bias: np.ndarray | None = None  # qwen2, gpt-oss
+    q_norm: np.ndarray | None = None  # qwen3, gemma: per-head RMSNorm weight [head_dim]
+    k_norm: np.ndarray | None = None
+    o_bias: np.ndarray | None = None  # gpt-oss
+    sinks: np.ndarray | None = None  # gpt-oss: one extra softmax logit per query head [heads]
+    window: int = 0  # attends to the last `window` positions only (0: all of them)
+    local_rope: bool = False  # rotates with `ModelWeights.rope_local` (Gemma's sliding layers)
+    output_gate: bool = False  # Qwen3.5: the output is times sigmoid(the gate rows)
+    values_from_keys: bool = False  # Gemma 4's global layers: no V rows, values are the K projection
+    value_norm: bool = False  # Gemma 4: values RMS-normalized (no weight)
+
+
+@dataclass
+class DeltaNetWeights:
+    """A Gated DeltaNet layer (Qwen3.5), as `delta_net.py` runs it."""
+
+    in_proj: Matrix  # rows: q, k and v (the convolution's channels), then z (the output gate)
+    ba: Matrix  # rows: beta's logit per value head, then alpha (the decay's input)
+    conv: np.ndarray  # [conv_dim, kernel]: the depthwise causal convolution
+    dt_bias: np.ndarray  # [v_heads]
+    a: np.ndarray  # [v_heads]: -exp(A_log), as the file stores it
+    norm: np.ndarray  # [head_v_dim]: the gated RMSNorm's weight
+    out: Matrix  # [hidden, v_heads * head_v_dim]
 
 
 @dataclass
 class LayerWeights:
-    """One transformer block. Matrices are `[out, in]`; biases and norms are vectors."""
+    """One block: a mixer (attention or Gated DeltaNet) and an FFN (dense, experts, or both)."""
 
     attn_norm: np.ndarray
-    qkv: Matrix  # rows: Q heads, then K heads, then V heads
-    qkv_bias: np.ndarray | None  # qwen2, gpt-oss
-    q_norm: np.ndarray | None  # qwen3, gemma3: per-head RMSNorm weight [head_dim]
-    k_norm: np.ndarray | None
-    o: Matrix
+    mixer: AttentionWeights | DeltaNetWeights
     ffn_norm: np.ndarray
-    gate_up: Matrix | None  # rows: gate, then up (None: the FFN is `experts`)
+    gate_up: Matrix | None  # rows: gate, then up (None: the FFN is `experts` alone)
     down: Matrix | None
-    o_bias: np.ndarray | None = None  # gpt-oss
-    sinks: np.ndarray | None = None  # gpt-oss: one extra softmax logit per query head [heads]
-    post_attn_norm: np.ndarray | None = None  # gemma3: on the attention output, before the residual
-    post_ffn_norm: np.ndarray | None = None  # gemma3: on the FFN output, before the residual
     experts: ExpertWeights | None = None
-    window: int = 0  # attends to the last `window` positions only (0: all of them)
-    local_rope: bool = False  # rotates with `ModelWeights.rope_local` (Gemma 3's sliding layers)
+    post_attn_norm: np.ndarray | None = None  # gemma: on the mixer's output, before the residual
+    post_ffn_norm: np.ndarray | None = None  # gemma: on the FFN output, before the residual
+    dense_post_norm: np.ndarray | None = None  # Gemma 4 MoE: on the dense FFN's output, before the experts' join it
+    out_scale: np.ndarray | None = None  # Gemma 4: the layer's output (residual included) times this [1]
 
 
 @dataclass(frozen=True)
@@ -100,19 +146,22 @@ class ModelWeights:
     output_norm: np.ndarray
     output: Matrix
     rope: Rope
-    rope_local: Rope | None = None  # the sliding layers' own (Gemma 3)
+    rope_local: Rope | None = None  # the sliding layers' own (Gemma 3 and 4)
 
     @property
     def nbytes(self) -> int:
         """Resident bytes, counting a tied output matrix once."""
-        arrays = {id(a): a for a in (self.embed, self.output_norm, self.output)}
-        for layer in self.layers:
-            for group in (layer, layer.experts):
-                for f in fields(group) if group is not None else ():
-                    value = getattr(group, f.name)
-                    if isinstance(value, np.ndarray | QuantMatrix):
-                        arrays[id(value)] = value
+        arrays = {id(a): a for a in _arrays([self.embed, self.output_norm, self.output, *self.layers])}
         return sum(a.nbytes for a in arrays.values())
+
+
+def _arrays(items: Iterable[object]) -> Iterator[np.ndarray | QuantMatrix]:
+    """Every array in `items` and in the weight dataclasses they hold, however nested."""
+    for item in items:
+        if isinstance(item, np.ndarray | QuantMatrix):
+            yield item
+        elif is_dataclass(item):
+            yield from _arrays(getattr(item, f.name) for f in fields(item))
 
 
 def _name(kind: MODEL_TENSOR, block: int | None = None) -> str:
@@ -121,6 +170,10 @@ def _name(kind: MODEL_TENSOR, block: int | None = None) -> str:
 
 def _bias(kind: MODEL_TENSOR, block: int) -> str:
     return TENSOR_NAMES[kind].format(bid=block) + ".bias"
+
+
+def _scale(kind: MODEL_TENSOR, block: int) -> str:
+    return TENSOR_NAMES[kind].format(bid=block) + ".scale"
 
 
 class _Loader:
@@ -327,8 +380,10 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, progress: Progress | None 
     c = config
     check_memory(gguf, quantized, available_memory)
     _retain_freed_heap()
-    if c.head_dim % 2 or c.rotary_dims % 2:
-        raise ModelLoadError(f"head dimension {c.head_dim} (rotated: {c.rotary_dims}) is odd; RoPE needs pairs")
+    for i in c.attention_layers:
+        if c.head_size(i) % 2 or c.layer_rotary_dims(i) % 2:
+            raise ModelLoadError(f"head dimension {c.head_size(i)} (rotated: {c.layer_rotary_dims(i)}) of layer {i} "
+                                 "is odd; RoPE needs pairs")
     loader = _Loader(gguf, c.head_dim, quantized)
     permute = c.rope_style == ROPE_INTERLEAVED
     embed = loader.matrix(_name(MODEL_TENSOR.TOKEN_EMBD), (c.vocab_size, c.hidden_size))
@@ -338,71 +393,145 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, progress: Progress | None 
     if not c.tied_embeddings:
         output = loader.matrix(_name(MODEL_TENSOR.OUTPUT), (c.vocab_size, c.hidden_size))
     loader.run(progress)
-    global_rope = _rope(gguf, c, c.rope_theta, c.rope_linear_factor)
+    # Only the global layers read `rope_freqs` (Gemma 4's proportional rope; Llama 3 has no local ones).
+    global_rope = _rope(gguf, c, c.rope_theta, c.rope_linear_factor, c.layer_rotary_dims(_global_layer(c)),
+                        c.has_rope_freqs)
     local_rope = None
-    if c.rope_theta_local is not None and any(layer.local_rope for layer in layers):
-        local_rope = _rope(gguf, c, c.rope_theta_local, 1.0)
+    if c.rope_theta_local is not None and any(
+            isinstance(layer.mixer, AttentionWeights) and layer.mixer.local_rope for layer in layers):
+        sliding = next(i for i in c.attention_layers if c.sliding_layers[i])
+        local_rope = _rope(gguf, c, c.rope_theta_local, 1.0, c.layer_rotary_dims(sliding), False)
     return ModelWeights(embed, layers, output_norm, output, global_rope, local_rope)
+
+
+def _global_layer(c: ModelConfig) -> int:
+    """An attention layer that does not slide (the first attention layer where all do)."""
+    attention = c.attention_layers
+    return next((i for i in attention if not (c.sliding_layers and c.sliding_layers[i])), attention[0])
 
 
 def _layer(loader: _Loader, c: ModelConfig, i: int, permute: bool) -> LayerWeights:
     """One block's weights, named as llama.cpp's converter names them for the family."""
     tensors = loader.gguf.tensors
-    hidden, q_rows, kv_rows = c.hidden_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    qkv_kinds = (MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V)
-    if c.fused_qkv:  # Phi-3: one tensor, rows Q then K then V
-        qkv = loader.matrix(_name(MODEL_TENSOR.ATTN_QKV, i), (q_rows + 2 * kv_rows, hidden))
-        qkv_bias = None
-        if _bias(MODEL_TENSOR.ATTN_QKV, i) in tensors:
-            qkv_bias = loader.tensor(_bias(MODEL_TENSOR.ATTN_QKV, i), (q_rows + 2 * kv_rows,))
-    else:
-        qkv = loader.fused([_name(kind, i) for kind in qkv_kinds], (permute, permute, False))
-        qkv_bias = loader.fused([_bias(kind, i) for kind in qkv_kinds], (permute, permute, False)) \
-            if c.qkv_bias else None
-    # The FFN's pre-norm: `ffn_norm`, except that gpt-oss files call it `post_attention_norm`
-    # (Hugging Face's post_attention_layernorm, which feeds the FFN); Gemma 3's post norms are
-    # extra norms on each sub-block's output.
+    hidden = c.hidden_size
+    # The FFN's pre-norm: `ffn_norm`, except that gpt-oss and Qwen3.5 files call it
+    # `post_attention_norm` (Hugging Face's post_attention_layernorm, which feeds the FFN); Gemma's
+    # post norms are extra norms on each sub-block's output.
     ffn_norm = _name(MODEL_TENSOR.FFN_NORM, i)
     if ffn_norm not in tensors and not c.post_norms:
         ffn_norm = _name(MODEL_TENSOR.ATTN_POST_NORM, i)
-    gate_up = down = experts = None
-    if c.is_moe:
-        experts = _experts(loader, c, i)
-    else:
+    gate_up = down = None
+    if not c.is_moe or c.moe_dense_ffn:
         if c.fused_gate_up:  # Phi-3: `ffn_up` holds the gate rows, then the up rows
             gate_up = loader.matrix(_name(MODEL_TENSOR.FFN_UP, i), (2 * c.ffn_size, hidden))
         else:
             gate_up = loader.fused([_name(MODEL_TENSOR.FFN_GATE, i), _name(MODEL_TENSOR.FFN_UP, i)])
         down = loader.matrix(_name(MODEL_TENSOR.FFN_DOWN, i), (hidden, c.ffn_size))
-    sliding = i < len(c.sliding_layers) and c.sliding_layers[i] and c.sliding_window > 0
+
+    def norm(kind: MODEL_TENSOR, present: bool) -> np.ndarray | None:
+        return loader.tensor(_name(kind, i), (hidden,)) if present else None
+
     return LayerWeights(
         attn_norm=loader.tensor(_name(MODEL_TENSOR.ATTN_NORM, i), (hidden,)),
-        qkv=qkv,
-        qkv_bias=qkv_bias,
-        q_norm=loader.tensor(_name(MODEL_TENSOR.ATTN_Q_NORM, i), (c.head_dim,)) if c.qk_norm else None,
-        k_norm=loader.tensor(_name(MODEL_TENSOR.ATTN_K_NORM, i), (c.head_dim,)) if c.qk_norm else None,
-        o=loader.matrix(_name(MODEL_TENSOR.ATTN_OUT, i), (hidden, q_rows)),
-        o_bias=loader.tensor(_bias(MODEL_TENSOR.ATTN_OUT, i), (hidden,)) if c.o_bias else None,
-        sinks=loader.tensor(_name(MODEL_TENSOR.ATTN_SINKS, i), (c.n_heads,)) if c.attn_sinks else None,
-        post_attn_norm=loader.tensor(_name(MODEL_TENSOR.ATTN_POST_NORM, i), (hidden,)) if c.post_norms else None,
+        mixer=_delta_net(loader, c, i) if c.is_recurrent(i) else _attention(loader, c, i, permute),
         ffn_norm=loader.tensor(ffn_norm, (hidden,)),
         gate_up=gate_up,
         down=down,
-        experts=experts,
-        post_ffn_norm=loader.tensor(_name(MODEL_TENSOR.FFN_POST_NORM, i), (hidden,)) if c.post_norms else None,
+        experts=_experts(loader, c, i) if c.is_moe else None,
+        post_attn_norm=norm(MODEL_TENSOR.ATTN_POST_NORM, c.post_norms),
+        post_ffn_norm=norm(MODEL_TENSOR.FFN_POST_NORM, c.post_norms),
+        dense_post_norm=norm(MODEL_TENSOR.FFN_POST_NORM_1, c.moe_dense_ffn),
+        out_scale=loader.tensor(_name(MODEL_TENSOR.LAYER_OUT_SCALE, i), (1,)) if c.layer_output_scale else None,
+    )
+
+
+def _attention(loader: _Loader, c: ModelConfig, i: int, permute: bool) -> AttentionWeights:
+    """An attention layer's projections, norms and options."""
+    tensors = loader.gguf.tensors
+    nq, nkv, hd = c.n_heads, c.kv_heads(i), c.head_size(i)
+    from_keys = bool(c.values_from_keys) and c.values_from_keys[i]
+    kinds = (MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K) + (() if from_keys else (MODEL_TENSOR.ATTN_V,))
+    permuted = (permute, permute, False)[:len(kinds)]
+    if c.fused_qkv:  # Phi-3: one tensor, rows Q then K then V
+        rows = (nq + 2 * nkv) * hd
+        qkv = loader.matrix(_name(MODEL_TENSOR.ATTN_QKV, i), (rows, c.hidden_size))
+        qkv_bias = None
+        if _bias(MODEL_TENSOR.ATTN_QKV, i) in tensors:
+            qkv_bias = loader.tensor(_bias(MODEL_TENSOR.ATTN_QKV, i), (rows,))
+    else:
+        qkv = loader.fused([_name(kind, i) for kind in kinds], permuted)
+        qkv_bias = loader.fused([_bias(kind, i) for kind in kinds], permuted) if c.qkv_bias else None
+    q_rows = nq * hd * (2 if c.attn_output_gate else 1)
+    if len(qkv) != q_rows + nkv * hd * (len(kinds) - 1):
+        raise ModelLoadError(f"the attention projections of layer {i} have {len(qkv)} rows, expected "
+                             f"{q_rows + nkv * hd * (len(kinds) - 1)}")
+    sliding = bool(c.sliding_layers) and c.sliding_layers[i] and c.sliding_window > 0
+    return AttentionWeights(
+        qkv=qkv,
+        o=loader.matrix(_name(MODEL_TENSOR.ATTN_OUT, i), (c.hidden_size, nq * hd)),
+        heads=(nq, nkv, hd),
+        qkv_bias=qkv_bias,
+        q_norm=loader.tensor(_name(MODEL_TENSOR.ATTN_Q_NORM, i), (hd,)) if c.qk_norm else None,
+        k_norm=loader.tensor(_name(MODEL_TENSOR.ATTN_K_NORM, i), (hd,)) if c.qk_norm else None,
+        o_bias=loader.tensor(_bias(MODEL_TENSOR.ATTN_OUT, i), (c.hidden_size,)) if c.o_bias else None,
+        sinks=loader.tensor(_name(MODEL_TENSOR.ATTN_SINKS, i), (nq,)) if c.attn_sinks else None,
         window=c.sliding_window if sliding else 0,
         local_rope=sliding and c.rope_theta_local is not None,
+        output_gate=c.attn_output_gate,
+        values_from_keys=from_keys,
+        value_norm=c.value_norm,
+    )
+
+
+def _delta_net(loader: _Loader, c: ModelConfig, i: int) -> DeltaNetWeights:
+    """A Gated DeltaNet layer's tensors, as llama.cpp's converter writes them: q/k/v and z fused
+    into one projection, beta and alpha into another (each step reads each once); V heads tiled."""
+    la = c.linear_attention
+    if la is None:
+        raise ModelLoadError(f"layer {i} is recurrent but the file gives no ssm.* shapes")
+    values = la.v_heads * la.head_v_dim
+    in_proj = loader.fused([_name(MODEL_TENSOR.ATTN_QKV, i), _name(MODEL_TENSOR.ATTN_GATE, i)])
+    ba = loader.fused([_name(MODEL_TENSOR.SSM_BETA, i), _name(MODEL_TENSOR.SSM_ALPHA, i)])
+    if in_proj.shape != (la.conv_dim + values, c.hidden_size) or ba.shape != (2 * la.v_heads, c.hidden_size):
+        raise ModelLoadError(f"the linear-attention projections of layer {i} have shapes {in_proj.shape} and "
+                             f"{ba.shape}, expected {(la.conv_dim + values, c.hidden_size)} and "
+                             f"{(2 * la.v_heads, c.hidden_size)}")
+    return DeltaNetWeights(
+        in_proj=in_proj,
+        ba=ba,
+        conv=loader.tensor(_name(MODEL_TENSOR.SSM_CONV1D, i), (la.conv_dim, la.conv_kernel)),
+        dt_bias=loader.tensor(_bias(MODEL_TENSOR.SSM_DT, i), (la.v_heads,)),
+        a=loader.tensor(TENSOR_NAMES[MODEL_TENSOR.SSM_A].format(bid=i), (la.v_heads,)),
+        norm=loader.tensor(_name(MODEL_TENSOR.SSM_NORM, i), (la.head_v_dim,)),
+        out=loader.matrix(_name(MODEL_TENSOR.SSM_OUT, i), (c.hidden_size, values)),
     )
 
 
 def _experts(loader: _Loader, c: ModelConfig, i: int) -> ExpertWeights:
-    """The router and the experts' `ffn_{gate,up,down}_exps` tensors (one slice per expert)."""
+    """The router and the experts' `ffn_{gate,up,down}_exps` tensors (one slice per expert; gate
+    and up may come fused as `ffn_gate_up_exps`), with Qwen3.5's shared expert and Gemma 4's
+    router scales and norms."""
+    tensors = loader.gguf.tensors
     n, hidden, ffn = c.n_experts, c.hidden_size, c.expert_ffn_size or c.ffn_size
-    gate, up = MODEL_TENSOR.FFN_GATE_EXP, MODEL_TENSOR.FFN_UP_EXP
-    gate_up = loader.fused_experts([_name(gate, i), _name(up, i)])
+    if _name(MODEL_TENSOR.FFN_GATE_UP_EXP, i) in tensors:
+        gate_up = loader.tensor(_name(MODEL_TENSOR.FFN_GATE_UP_EXP, i), (n, 2 * ffn, hidden))
+    else:
+        gate_up = loader.fused_experts([_name(MODEL_TENSOR.FFN_GATE_EXP, i), _name(MODEL_TENSOR.FFN_UP_EXP, i)])
     if gate_up.shape != (n, 2 * ffn, hidden):
         raise ModelLoadError(f"expert tensors of layer {i} have shape {gate_up.shape}, expected {(n, 2 * ffn, hidden)}")
     bias = c.expert_bias
+    gate, up = MODEL_TENSOR.FFN_GATE_EXP, MODEL_TENSOR.FFN_UP_EXP
+    shared = None
+    shared_gate = _name(MODEL_TENSOR.FFN_GATE_INP_SHEXP, i)
+    if shared_gate in tensors:
+        shared_gate_up = loader.fused([_name(MODEL_TENSOR.FFN_GATE_SHEXP, i), _name(MODEL_TENSOR.FFN_UP_SHEXP, i)])
+        shape = tensors[shared_gate].shape  # [hidden], or [1, hidden] as the converter writes it
+        shared = SharedExpert(
+            gate=loader.tensor(shared_gate, shape if math.prod(shape) == hidden else (hidden,)).reshape(hidden),
+            gate_up=shared_gate_up,
+            down=loader.matrix(_name(MODEL_TENSOR.FFN_DOWN_SHEXP, i), (hidden, len(shared_gate_up) // 2)))
+    gemma = c.router == ROUTE_GEMMA4
+    dense_beside = c.moe_dense_ffn
     return ExpertWeights(
         router=loader.matrix(_name(MODEL_TENSOR.FFN_GATE_INP, i), (n, hidden)),
         router_bias=loader.tensor(_bias(MODEL_TENSOR.FFN_GATE_INP, i), (n,)) if bias else None,
@@ -410,15 +539,22 @@ def _experts(loader: _Loader, c: ModelConfig, i: int) -> ExpertWeights:
         gate_up_bias=loader.fused_experts([_bias(gate, i), _bias(up, i)]) if bias else None,
         down=loader.tensor(_name(MODEL_TENSOR.FFN_DOWN_EXP, i), (n, hidden, ffn)),
         down_bias=loader.tensor(_bias(MODEL_TENSOR.FFN_DOWN_EXP, i), (n, hidden)) if bias else None,
+        shared=shared,
+        router_scale=loader.tensor(_scale(MODEL_TENSOR.FFN_GATE_INP, i), (hidden,)) if gemma else None,
+        expert_scale=loader.tensor(_scale(MODEL_TENSOR.FFN_DOWN_EXP, i), (n,)) if gemma else None,
+        norm=loader.tensor(_name(MODEL_TENSOR.FFN_PRE_NORM_2, i), (hidden,)) if dense_beside else None,
+        post_norm=loader.tensor(_name(MODEL_TENSOR.FFN_POST_NORM_2, i), (hidden,)) if dense_beside else None,
     )
 
 
-def _rope(gguf: GGUFFile, config: ModelConfig, theta: float, linear_factor: float) -> Rope:
-    """RoPE inverse frequencies for base `theta`; Llama 3.x files carry per-frequency divisors in
-    `rope_freqs`, Phi-3.5 / Phi-4-mini in `rope_factors_long` (LongRoPE), gpt-oss blends them by YaRN."""
-    dims = config.rotary_dims
+def _rope(gguf: GGUFFile, config: ModelConfig, theta: float, linear_factor: float, dims: int,
+          freqs: bool) -> Rope:
+    """RoPE inverse frequencies for base `theta` over `dims` rotated dimensions; with `freqs` the
+    file's `rope_freqs` divide them (Llama 3.x's scaling; Gemma 4's proportional rope, whose 1e30
+    entries leave the other dimensions unrotated), Phi-3.5 / Phi-4-mini's `rope_factors_long`
+    (LongRoPE) too, and gpt-oss blends them by YaRN."""
     inv_freq = theta ** -(np.arange(0, dims, 2, dtype=np.float64) / dims)
-    if config.has_rope_freqs:
+    if freqs:
         inv_freq = inv_freq / gguf.dequantize(_name(MODEL_TENSOR.ROPE_FREQS)).astype(np.float64)
     if linear_factor != 1.0:
         inv_freq = inv_freq / linear_factor

@@ -43,7 +43,7 @@ from lmserve.engine.protocol import Engine
 from lmserve.engine_mlx import pipeline
 from lmserve.engine_mlx.engine import MLXEngine, Progress
 from lmserve.engine_mlx.kv import MLXKVCache
-from lmserve.engine_mlx.model import FAMILIES
+from lmserve.engine_mlx.model import FAMILIES, family_of, text_model
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError, TensorInfo
 
@@ -73,6 +73,7 @@ class Op(enum.IntEnum):
     COPY_PREFIX = 9
     SAVE_CACHE = 10
     LOAD_CACHE = 11
+    CHECKPOINT = 12
 
 
 @functools.cache
@@ -108,8 +109,12 @@ def check_shardable(config: ModelConfig, mode: str, world: int) -> None:
         raise ModelLoadError(f"mlx-lm's {config.architecture} model has no tensor-parallel shard(); "
                              f"--distributed pipeline splits it by layers "
                              f"(families tensor parallelism can split: {', '.join(shardable())})")
+    la = config.linear_attention
     sizes = {"attention heads": config.n_heads, "KV heads": config.n_kv_heads, "FFN size": config.ffn_size,
-             "expert FFN size": config.expert_ffn_size if config.is_moe else 0}
+             "expert FFN size": config.expert_ffn_size if config.is_moe else 0,
+             "shared expert FFN size": config.shared_expert_ffn_size,
+             "linear-attention key heads": la.k_heads if la else 0, "value heads": la.v_heads if la else 0,
+             "vocabulary": config.vocab_size if family_of(config).shards_head and not config.tied_embeddings else 0}
     uneven = [f"{name} {n}" for name, n in sizes.items() if n % world]
     if uneven:
         raise ModelLoadError(f"this model's {', '.join(uneven)} cannot be split evenly across {world} ranks "
@@ -140,18 +145,28 @@ class TensorParallelEngine(ShardedMLXEngine):
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig, group: mx.distributed.Group,
                  progress: Progress | None = None) -> None:
-        self.kv_share = 1 / group.size()  # each rank caches 1/N of the KV heads
+        self.kv_share = 1 / group.size()  # each rank caches 1/N of the KV heads (and recurrent state)
+        self._sharded_a_layer = False
         super().__init__(gguf, config, group, progress)
 
     def _layer_loaded(self, layer: int) -> None:
         """mlx-lm's `shard`, on this one layer (it shards every layer of the list it finds),
-        evaluated so that the whole layer's arrays are let go now."""
-        inner = self.model.model
+        evaluated so that the whole layer's arrays are let go now. qwen3_5's `shard` splits its
+        untied output head too, whenever it runs: after the first layer it is told the head is
+        tied (what it checks), so that the head is split once."""
+        inner, text = self.model.model, text_model(self.model, self.config)
+        keep_head = self._sharded_a_layer and family_of(self.config).shards_head
+        tied = keep_head and text.args.tie_word_embeddings
         layers, inner.layers = inner.layers, [inner.layers[layer]]
+        if keep_head:
+            text.args.tie_word_embeddings = True
         try:
             self.model.shard(self.group)
         finally:
             inner.layers = layers
+            if keep_head:
+                text.args.tie_word_embeddings = tied
+        self._sharded_a_layer = True
         mx.eval(layers[layer].parameters())
 
 
@@ -160,7 +175,7 @@ class PipelineParallelEngine(ShardedMLXEngine):
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig, group: mx.distributed.Group,
                  progress: Progress | None = None) -> None:
-        self.layer_split = pipeline.LayerSplit(config.n_layers, group)
+        self.layer_split = pipeline.LayerSplit(config.n_layers, group, family_of(config).tuple_layers)
         self.parallelism = f"pipeline parallel ({self.layer_split.describe()})"
         self.kv_share = self.layer_split.kv_share
         super().__init__(gguf, config, group, progress)
@@ -381,11 +396,25 @@ class LockstepEngine(Engine[MLXKVCache]):
 
     # -- the engine protocol -----------------------------------------------------------------
 
+    @property
+    def checkpoints_per_cache(self) -> int:  # type: ignore[override]
+        return self.inner.checkpoints_per_cache
+
+    @checkpoints_per_cache.setter
+    def checkpoints_per_cache(self, limit: int) -> None:
+        self.inner.checkpoints_per_cache = limit  # the followers get it with each new cache
+
     def new_cache(self, max_tokens: int) -> MLXKVCache:
         with self._lock:
             handle = self._next
-            self._send(Op.NEW_CACHE, [handle, max_tokens])
+            self._send(Op.NEW_CACHE, [handle, max_tokens, self.checkpoints_per_cache])
             return self._tag(self.inner.new_cache(max_tokens))
+
+    def resume_point(self, cache: MLXKVCache, n: int) -> int:
+        return self.inner.resume_point(cache, n)  # bookkeeping every rank holds alike: no call
+
+    def checkpoint(self, cache: MLXKVCache) -> None:
+        self._call(Op.CHECKPOINT, [cache.handle], lambda: self.inner.checkpoint(cache))  # type: ignore[attr-defined]
 
     def prefill(self, cache: MLXKVCache, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         return self._call(Op.PREFILL, [cache.handle, int(all_logits), *token_ids],  # type: ignore[attr-defined]
@@ -417,7 +446,7 @@ class LockstepEngine(Engine[MLXKVCache]):
     def load_cache(self, path: Path, max_tokens: int) -> MLXKVCache:
         with self._lock:
             handle = self._next
-            self._send(Op.LOAD_CACHE, [handle, max_tokens, *_words(str(path))])
+            self._send(Op.LOAD_CACHE, [handle, max_tokens, self.checkpoints_per_cache, *_words(str(path))])
             return self._tag(self.inner.load_cache(path, max_tokens))
 
 
@@ -428,6 +457,7 @@ def execute(engine: ShardedMLXEngine, caches: dict[int, MLXKVCache], op: Op, arg
         for handle in args:
             caches.pop(handle, None)
     elif op == Op.NEW_CACHE:
+        engine.checkpoints_per_cache = args[2]
         caches[args[0]] = engine.new_cache(args[1])
     elif op == Op.PREFILL:
         engine.prefill(caches[args[0]], args[2:], bool(args[1]))
@@ -449,7 +479,10 @@ def execute(engine: ShardedMLXEngine, caches: dict[int, MLXKVCache], op: Op, arg
     elif op == Op.SAVE_CACHE:
         engine.save_cache(caches[args[0]], rank_path(Path(_text(args[1:])), rank))
     elif op == Op.LOAD_CACHE:
-        caches[args[0]] = engine.load_cache(rank_path(Path(_text(args[2:])), rank), args[1])
+        engine.checkpoints_per_cache = args[2]
+        caches[args[0]] = engine.load_cache(rank_path(Path(_text(args[3:])), rank), args[1])
+    elif op == Op.CHECKPOINT:
+        engine.checkpoint(caches[args[0]])
 
 
 def follow(engine: ShardedMLXEngine) -> None:

@@ -7,15 +7,20 @@ the device and returns one id per sequence. `verify` runs several positions per 
 (a speculative draft), batched like a decode step. Saved caches are mlx-lm prompt-cache files
 (`save_prompt_cache`), tagged with this model's KV geometry.
 
-Sliding-window layers (Gemma 3, gpt-oss) keep every position like the others, and attend only
-their window (`kv.WindowKVCache`), so a cache can still be truncated or copied to any prefix.
+Sliding-window layers (Gemma 3 and 4, gpt-oss) keep every position like the others, and attend
+only their window (`kv.WindowKVCache`), so a cache can still be truncated or copied to any prefix.
+
+A hybrid model's cache (Qwen3.5: Gated DeltaNet layers beside attention) goes back to a position
+its recurrent layers have left by restoring a kept state and recomputing from there (hybrid.py):
+`checkpoint` keeps one, `verify` keeps the state from before its pass (rows shorter than the pass
+are masked out of the recurrent layers past their end, so their padding costs nothing), and the
+greedy step `decode_argmax` queues ahead is undone by putting the state from before it back.
 """
 
 from __future__ import annotations
 
 import operator
 import os
-import re
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,19 +31,20 @@ import mlx.nn as nn
 import numpy as np
 from gguf import GGMLQuantizationType
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, save_prompt_cache
 
 from lmserve.engine.protocol import Engine, check_token_ids, verify_rows
 from lmserve.engine_mlx import disk_cache
-from lmserve.engine_mlx.kv import Batch, MLXKVCache
-from lmserve.engine_mlx.model import adjust_weights, build_model, gguf_names
+from lmserve.engine_mlx.hybrid import State, flatten, recurrent, restore, snapshot, unflatten
+from lmserve.engine_mlx.kv import Batch, Layer, MergedLayer, MLXKVCache, layer_arrays
+from lmserve.engine_mlx.layout import undo_gguf_layout
+from lmserve.engine_mlx.model import LAYER_PARAM, build_model, gguf_names, output_head
 from lmserve.engine_mlx.weights import Choice, convert, reads_natively, summarize
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError, TensorInfo
 
 PREFILL_CHUNK = 2048  # positions per forward pass during prefill (mlx-lm's default step)
-KV_FORMAT = "lmserve-mlx-kv-2"  # an mlx-lm prompt-cache file with our metadata
-_LAYER_PARAM = re.compile(r"model\.layers\.(\d+)\.")  # a parameter of one layer
+KV_FORMAT = "lmserve-mlx-kv-3"  # an mlx-lm prompt-cache file with our metadata
 
 Progress = Callable[[int, int], None]
 
@@ -63,9 +69,12 @@ def compute_dtype(gguf: GGUFFile) -> mx.Dtype:
 
 @dataclass
 class _Speculation:
-    """A greedy step queued on the device for `caches`, fed with the ids the last one returned."""
+    """A greedy step queued on the device for `caches` (whose per-layer caches are `layers`), fed
+    with the ids the last one returned; `before` is its recurrent layers' state before it."""
 
     caches: list[MLXKVCache]
+    layers: list[Layer] | list[MergedLayer]
+    before: State
     ids: mx.array
     inputs: list[int] | None = None
 
@@ -99,7 +108,8 @@ class MLXEngine(Engine[MLXKVCache]):
         self.quant_summary = summarize(choices)
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         self._speculation: _Speculation | None = None
-        self._geometry = f"{config.n_layers}x{config.n_kv_heads}x{config.head_dim}:{self.dtype}"
+        self._head = output_head(self.model, config)
+        self._geometry = _geometry(config, self.dtype)
 
     def _build_model(self, config: ModelConfig, gguf: GGUFFile) -> nn.Module:
         """The network, before its weights load (a pipeline rank drops the others' layers)."""
@@ -141,9 +151,8 @@ class MLXEngine(Engine[MLXKVCache]):
             elif progress is not None:
                 progress(done + len(part), len(names))
             arrays, part_choices = arrays_choices
-            self._install(arrays, part_choices)
+            loaded |= self._install(arrays, part_choices)
             choices |= part_choices
-            loaded |= arrays.keys()
             del arrays, arrays_choices
             if layer is not None:
                 self._layer_loaded(layer)
@@ -154,34 +163,35 @@ class MLXEngine(Engine[MLXKVCache]):
             return choices, f"{gguf.path.name} (native)"
         return choices, f"{gguf.path.name} (converted, cached in {entry.path})" if converted else f"cache {entry.path}"
 
-    def _install(self, arrays: dict[str, mx.array], choices: dict[str, Choice]) -> None:
-        """One part's arrays into the network: its quantized layers made so, shapes checked."""
+    def _install(self, arrays: dict[str, mx.array], choices: dict[str, Choice]) -> set[str]:
+        """One part's arrays into the network, GGUF layouts undone (layout.py): its quantized
+        layers made so, shapes checked. Returns the parameters it set."""
+        arrays, choices = undo_gguf_layout(self.config, arrays, choices)
         quant = {name.rsplit(".", 1)[0]: {"group_size": c.group_size, "bits": c.bits, "mode": c.mode}
                  for name, c in choices.items() if c.bits is not None}
         if quant:
             nn.quantize(self.model, class_predicate=lambda path, _: quant.get(path, False))
-        adjust_weights(self.config, arrays)
         params = dict(tree_flatten(self.model.parameters()))
         wrong = [name for name, array in arrays.items() if name not in params or params[name].shape != array.shape]
         if wrong:
             raise ModelLoadError(f"the converted weights do not fit the network: {', '.join(sorted(wrong)[:4])}")
         self.model.load_weights(list(arrays.items()), strict=False)
+        return set(arrays)
 
     # -- forward passes ----------------------------------------------------------------------
-
-    def _head(self, h: mx.array) -> mx.array:
-        if "lm_head" in self.model:
-            return self.model.lm_head(h)
-        return self.model.model.embed_tokens.as_linear(h)
 
     def _check_ids(self, token_ids: Sequence[int]) -> np.ndarray:
         return check_token_ids(token_ids, self.config.vocab_size).astype(np.uint32)
 
+    @staticmethod
+    def _layers(caches: Sequence[MLXKVCache]) -> list[Layer] | list[MergedLayer]:
+        """The per-layer caches a pass over `caches` runs on: one's own, or their batch's."""
+        return caches[0].own() if len(caches) == 1 else Batch.of(caches).layers
+
     def _step(self, caches: Sequence[MLXKVCache], tokens: mx.array) -> mx.array:
         """Lazy logits `[batch, vocab]` of one decode step, whose K/V the caches' layers take
         (`n`, the committed length, is the caller's to advance)."""
-        layers = caches[0].own() if len(caches) == 1 else Batch.of(caches).layers
-        return self._head(self.model.model(tokens[:, None], cache=layers)[:, -1, :])
+        return self._head(self.model.model(tokens[:, None], cache=self._layers(caches))[:, -1, :])
 
     def _start(self, caches: Sequence[MLXKVCache], token_ids: Sequence[int]) -> mx.array:
         """Checks, then any queued speculation is dropped and the step's token ids go up."""
@@ -196,47 +206,67 @@ class MLXEngine(Engine[MLXKVCache]):
         return tokens
 
     def _settle(self) -> None:
-        """Undo a speculative step nobody took: its caches drop the position it appended."""
+        """Undo a speculative step nobody took: attention layers drop the position it appended,
+        recurrent layers get their state from before it back."""
         spec, self._speculation = self._speculation, None
         if spec is not None:
-            layers = spec.caches[0].layers if len(spec.caches) == 1 else spec.caches[0].batch.layers
-            for layer in layers:
-                layer.trim(1)
+            for layer in spec.layers:
+                if not isinstance(layer, ArraysCache):
+                    layer.trim(1)
+            if spec.before:
+                restore(spec.layers, spec.before)
+
+    def _feed(self, cache: MLXKVCache, ids: np.ndarray, last: bool) -> np.ndarray | None:
+        """Run `ids` into the cache's own layers in chunks (counting the positions, not their
+        ids). `last`: return the last position's logits; it runs alone through the last layer's
+        attention and FFN, the others only for what they leave in the caches (as in mlx-lm's
+        generate_step)."""
+        layers = cache.own()
+        body = ids[:-1] if last else ids
+        for start in range(0, len(body), PREFILL_CHUNK):
+            chunk = body[start:start + PREFILL_CHUNK]
+            self.model.model(mx.array(chunk)[None], cache=layers)
+            cache.n += len(chunk)
+            mx.eval(layer_arrays(layers))
+        if not last:
+            return None
+        h = self.model.model(mx.array(ids[-1:])[None], cache=layers)
+        cache.n += 1
+        return np.array(self._head(h[0, -1]).astype(mx.float32))
 
     # -- the engine protocol -----------------------------------------------------------------
 
     def new_cache(self, max_tokens: int) -> MLXKVCache:
         windows = [self.config.sliding_window if sliding else 0 for sliding in self.config.sliding_layers]
-        return MLXKVCache(self.config.n_layers, max_tokens, windows)
+        return MLXKVCache(self.config.n_layers, max_tokens, windows, self.config.recurrent_layers,
+                          self.checkpoints_per_cache)
 
     def prefill(self, cache: MLXKVCache, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         ids = self._check_ids(token_ids)
         if not len(ids):
             raise ValueError("prefill needs at least one token")
         cache.reserve(len(ids))
-        # Without all_logits only the last position runs through the last layer's attention and
-        # FFN: the others are needed for their keys and values alone (as in mlx-lm's generate_step).
-        body = ids if all_logits else ids[:-1]
-        chunks = [body[start:start + PREFILL_CHUNK] for start in range(0, len(body), PREFILL_CHUNK)]
-        chunks += [] if all_logits else [ids[-1:]]
-        out = []
         with mx.stream(self.stream):
             self._settle()
-            layers = cache.own()
-            for i, chunk in enumerate(chunks):
-                h = self.model.model(mx.array(chunk)[None], cache=layers)[0]
-                cache.n += len(chunk)
-                if all_logits or i == len(chunks) - 1:
-                    out.append(np.array(self._head(h).astype(mx.float32)))
-                else:
-                    mx.eval([(layer.keys, layer.values) for layer in layers])
-        return np.concatenate(out) if all_logits else out[-1][-1]
+            if all_logits:
+                out = []
+                for start in range(0, len(ids), PREFILL_CHUNK):
+                    chunk = ids[start:start + PREFILL_CHUNK]
+                    out.append(np.array(self._head(self.model.model(mx.array(chunk)[None], cache=cache.own())[0])
+                                        .astype(mx.float32)))
+                    cache.n += len(chunk)
+                logits = np.concatenate(out)
+            else:
+                logits = self._feed(cache, ids, last=True)
+            if cache.hybrid is not None:
+                cache.hybrid.tokens.extend(ids.tolist())
+        return logits
 
     def decode(self, caches: Sequence[MLXKVCache], token_ids: Sequence[int]) -> np.ndarray:
         with mx.stream(self.stream):
             logits = self._step(caches, self._start(caches, token_ids)).astype(mx.float32)
-            for cache in caches:
-                cache.n += 1
+            for cache, token in zip(caches, token_ids, strict=True):
+                cache.appended([token])
             return np.array(logits)
 
     def decode_argmax(self, caches: Sequence[MLXKVCache], token_ids: Sequence[int]) -> np.ndarray:
@@ -250,10 +280,12 @@ class MLXEngine(Engine[MLXKVCache]):
                 self._speculation, ids = None, spec.ids
             else:
                 ids = self._greedy(caches, self._start(caches, token_ids))
-            for cache in caches:
-                cache.n += 1
+            for cache, token in zip(caches, token_ids, strict=True):
+                cache.appended([token])
             if self.queue_next_step and all(c.n < c.capacity for c in caches):
-                self._speculation = _Speculation(list(caches), self._greedy(caches, ids))
+                layers = caches[0].layers if len(caches) == 1 else caches[0].batch.layers  # the step's
+                before = snapshot(layers) if caches[0].hybrid is not None else ()
+                self._speculation = _Speculation(list(caches), layers, before, self._greedy(caches, ids))
                 mx.async_eval(self._speculation.ids)
             out = np.array(ids, dtype=np.int64)
             if self._speculation is not None:
@@ -262,36 +294,78 @@ class MLXEngine(Engine[MLXKVCache]):
 
     def verify(self, caches: Sequence[MLXKVCache], token_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """All lists in one pass: shorter ones are padded with their own last token (causal
-        attention keeps the real positions blind to it) and the padding is truncated away."""
+        attention keeps the real positions blind to it, and recurrent layers are masked from
+        it) and the padding is cut away. A hybrid cache keeps its state from before the pass."""
         lengths, ids = verify_rows(caches, token_ids, self.config.vocab_size)
         width = ids.shape[1]
         for cache in caches:
             cache.reserve(width)
         with mx.stream(self.stream):
             self._settle()
-            layers = caches[0].own() if len(caches) == 1 else Batch.of(caches).layers
+            layers = self._layers(caches)
+            for row, cache in enumerate(caches):
+                if cache.hybrid is not None:
+                    cache.hybrid.kept = (cache.n, snapshot(layers, row if len(caches) > 1 else None))
+            padded = min(lengths) < width
+            for layer in recurrent(layers) if padded else ():
+                layer.prepare(lengths=lengths)  # each row's state stops at its own end
             h = self.model.model(mx.array(ids.astype(np.uint32)), cache=layers)
+            for layer in recurrent(layers) if padded else ():
+                layer.finalize()
             logits = np.array(self._head(h).astype(mx.float32))
-            for cache, n in zip(caches, lengths, strict=True):
-                cache.n += width
+            for cache, row_ids, n in zip(caches, ids, lengths, strict=True):
+                cache.appended(row_ids[:n].tolist())
                 if n < width:
-                    self.truncate(cache, cache.n - (width - n))
+                    self._drop_padding(cache, width - n)
         return [logits[i, :n] for i, n in enumerate(lengths)]
+
+    @staticmethod
+    def _drop_padding(cache: MLXKVCache, k: int) -> None:
+        """Cut the `k` positions past the cache's length off its attention layers (positions
+        its recurrent layers never took)."""
+        if cache.batch is not None:  # the row stays merged
+            cache.batch.drop(cache, k)
+        else:
+            for layer in cache.layers:
+                if not isinstance(layer, ArraysCache):
+                    layer.trim(k)
 
     def _greedy(self, caches: Sequence[MLXKVCache], tokens: mx.array) -> mx.array:
         return mx.argmax(self._step(caches, tokens).astype(mx.float32), axis=-1)
+
+    def resume_point(self, cache: MLXKVCache, n: int) -> int:
+        if cache.hybrid is None or n == cache.n:
+            return n
+        return cache.hybrid.resume(n)[0]
+
+    def checkpoint(self, cache: MLXKVCache) -> None:
+        if cache.hybrid is not None:
+            with mx.stream(self.stream):
+                self._settle()
+                cache.hybrid.checkpoints.add(cache.n, snapshot(cache.own()))
 
     def truncate(self, cache: MLXKVCache, n: int) -> None:
         if not 0 <= n <= cache.length:
             raise ValueError(f"cannot truncate a cache of {cache.length} positions to {n}")
         with mx.stream(self.stream):
             self._settle()
-            if cache.batch is not None:  # the row stays merged (a verify pass's rejected drafts)
-                cache.batch.drop(cache, cache.n - n)
-            else:
-                for layer in cache.layers:
-                    layer.trim(layer.offset - n)
-        cache.n = n
+            if cache.hybrid is None:
+                if cache.batch is not None:  # the row stays merged (a verify pass's rejected drafts)
+                    cache.batch.drop(cache, cache.n - n)
+                else:
+                    for layer in cache.layers:
+                        layer.trim(layer.offset - n)
+                cache.n = n
+            elif n < cache.n:
+                start, state = cache.hybrid.resume(n)
+                layers = cache.own()
+                restore(layers, state)
+                for layer in layers:
+                    if not isinstance(layer, ArraysCache):
+                        layer.trim(layer.offset - start)
+                cache.n = start
+                cache.hybrid.cut(n)
+                self._feed(cache, np.array(cache.hybrid.tokens[start:n], np.uint32), last=False)
 
     def copy_prefix(self, src: MLXKVCache, dst: MLXKVCache, n: int) -> None:
         if not 0 <= n <= src.length or n > dst.capacity:
@@ -302,25 +376,40 @@ class MLXEngine(Engine[MLXKVCache]):
         with mx.stream(self.stream):
             self._settle()
             dst.own()
-            dst.layers = [self._fresh(dst.empty_layer(i), layer.keys, layer.values, n)
-                          for i, layer in enumerate(src.own())]
-            mx.eval([(layer.keys, layer.values) for layer in dst.layers if layer.keys is not None])
-        dst.n = n
+            layers = src.own()
+            start, state = (n, snapshot(layers)) if src.hybrid is None or n == src.n else src.hybrid.resume(n)
+            dst.layers = [self._fresh(dst.empty_layer(i), layer, start) for i, layer in enumerate(layers)]
+            restore(dst.layers, state)
+            dst.n = start
+            if src.hybrid is not None and dst.hybrid is not None:
+                dst.hybrid = src.hybrid.prefix(n, dst.hybrid.checkpoints.limit)
+                self._feed(dst, np.array(dst.hybrid.tokens[start:n], np.uint32), last=False)
+            mx.eval(layer_arrays(dst.layers))
 
     @staticmethod
-    def _fresh(layer: KVCache, keys: mx.array | None, values: mx.array | None, n: int) -> KVCache:
-        """`layer`, empty, given its own preallocated storage holding the first `n` positions."""
-        if n and keys is not None and values is not None:
-            layer.update_and_fetch(keys[..., :n, :], values[..., :n, :])
+    def _fresh(layer: Layer, src: Layer, n: int) -> Layer:
+        """`layer`, empty, given its own preallocated storage holding the first `n` positions of
+        attention layer `src` (a recurrent layer is left empty: its state is restored)."""
+        if n and isinstance(layer, KVCache) and src.keys is not None:
+            layer.update_and_fetch(src.keys[..., :n, :], src.values[..., :n, :])
         return layer
 
     def save_cache(self, cache: MLXKVCache, path: Path) -> None:
+        """mlx-lm's prompt-cache file of the cache's layers (attention ones cut to its length);
+        a hybrid cache adds an ArraysCache of its token ids, then one per checkpoint (positions
+        in the metadata)."""
         n = cache.n
         with mx.stream(self.stream):
             self._settle()
-            layers = [self._exact(layer, n) for layer in cache.own()]
+            layers: list[object] = [layer if isinstance(layer, ArraysCache) else self._exact(layer, n)
+                                    for layer in cache.own()]
+            metadata = {"format": KV_FORMAT, "geometry": self._geometry, "length": str(n)}
+            if cache.hybrid is not None:
+                layers += [_arrays([mx.array(np.array(cache.hybrid.tokens, np.uint32))])]
+                layers += [_arrays(flatten(state)) for _, state in cache.hybrid.checkpoints]
+                metadata["checkpoints"] = ",".join(map(str, cache.hybrid.checkpoints.positions))
             with Path(path).open("wb") as f:  # a file object: mx.save_safetensors adds no suffix
-                save_prompt_cache(f, layers, {"format": KV_FORMAT, "geometry": self._geometry, "length": str(n)})
+                save_prompt_cache(f, layers, metadata)
 
     def load_cache(self, path: Path, max_tokens: int) -> MLXKVCache:
         refused = ValueError(f"{path} is not a KV cache of this model on this engine")
@@ -332,17 +421,27 @@ class MLXEngine(Engine[MLXKVCache]):
                 layers, metadata = load_prompt_cache(str(named), return_metadata=True)
                 ours = metadata.get("format") == KV_FORMAT and metadata.get("geometry") == self._geometry
                 n = int(metadata["length"])
+                positions = [int(p) for p in metadata.get("checkpoints", "").split(",") if p]
             except (OSError, RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
                 raise refused from exc
-            if not ours or len(layers) != self.config.n_layers or any(
-                    type(layer) is not KVCache or layer.offset != n for layer in layers):
+            cache, count = self.new_cache(max_tokens), self.config.n_layers
+            own, extras = layers[:count], layers[count:]
+            if not ours or len(own) != count or len(extras) != (1 + len(positions) if cache.hybrid else 0) or any(
+                    type(layer) is not ArraysCache if cache.recurrent[i] else
+                    type(layer) is not KVCache or layer.offset != n for i, layer in enumerate(own)):
                 raise refused
             if n > max_tokens:
                 raise ValueError(f"{path} holds {n} positions, more than {max_tokens}")
-            cache = self.new_cache(max_tokens)
-            cache.layers = [self._fresh(cache.empty_layer(i), layer.keys, layer.values, n)
-                            for i, layer in enumerate(layers)]
-            mx.eval([(layer.keys, layer.values) for layer in cache.layers if layer.keys is not None])
+            cache.layers = [self._fresh(cache.empty_layer(i), layer, n) for i, layer in enumerate(own)]
+            restore(cache.layers, snapshot(own))
+            if cache.hybrid is not None:
+                tokens, *saved = extras
+                cache.hybrid.tokens = tokens[0].tolist()
+                if len(cache.hybrid.tokens) != n:
+                    raise refused
+                for position, holder in zip(positions, saved, strict=True):
+                    cache.hybrid.checkpoints.add(position, unflatten(holder.cache, cache.layers))
+            mx.eval(layer_arrays(cache.layers))
         cache.n = n
         return cache
 
@@ -357,6 +456,25 @@ class MLXEngine(Engine[MLXKVCache]):
         return exact
 
 
+def _arrays(entries: list[mx.array | None]) -> ArraysCache:
+    """An ArraysCache holding `entries`: how a saved cache carries arrays that are not a layer's."""
+    holder = ArraysCache(len(entries))
+    holder.cache = list(entries)
+    return holder
+
+
+def _geometry(config: ModelConfig, dtype: mx.Dtype) -> str:
+    """What a saved cache must match: the layers' KV shapes, the recurrent state's, the dtype."""
+    base = f"{config.n_layers}x{config.n_kv_heads}x{config.head_dim}:{dtype}"
+    if not (config.is_hybrid or config.layer_head_dims or config.layer_kv_heads):
+        return base
+    la = config.linear_attention
+    layers = ",".join("r" if config.is_recurrent(i) else f"{config.kv_heads(i)}x{config.head_size(i)}"
+                      for i in range(config.n_layers))
+    recurrence = f";r={la.conv_kernel}x{la.k_heads}x{la.v_heads}x{la.head_k_dim}x{la.head_v_dim}" if la else ""
+    return f"{base};{layers}{recurrence}"
+
+
 def _module_constants(model: nn.Module) -> list[mx.array]:
     """Arrays modules keep outside their parameters (RoPE periods, YaRN's scales): evaluated at
     load, in the loading thread, since a lazy graph built here cannot be evaluated in the worker
@@ -369,6 +487,6 @@ def _parts(names: dict[str, str]) -> dict[int | None, dict[str, str]]:
     """The parameter -> tensor names by part: None (outside the layers) first, then each layer."""
     parts: dict[int | None, dict[str, str]] = {None: {}}
     for param, tensor in names.items():
-        match = _LAYER_PARAM.match(param)
+        match = LAYER_PARAM.search(param)
         parts.setdefault(int(match.group(1)) if match else None, {})[param] = tensor
     return parts

@@ -9,11 +9,18 @@ per-row offsets drive RoPE. A row truncated while merged (a verify pass's reject
 merged: the positions every row drops are trimmed, the rest of a row's are rolled into its left
 padding before the batch is next used.
 
-A sliding-window layer (Gemma 3, gpt-oss) keeps every position too, not only its window as mlx-lm's
-`RotatingKVCache` does, so that a cache can be truncated or copied to any prefix for KV reuse; but
-it hands attention only the positions some query of the step can see (the window, plus the step's
-own), with a mask in those coordinates: attention costs what the window costs, however long the
-sequence.
+A hybrid model's recurrent layers (Qwen3.5) cache mlx-lm's `ArraysCache`, merged, extracted and
+filtered beside the attention layers (`ArraysCache.merge` / `extract` / `filter`); a row's state is
+its own, so rows at different positions need no mask there. Their state cannot be trimmed: a row's
+drop trims only its attention layers (what a verify pass drops is padding its recurrent layers were
+masked from), and cutting a hybrid row back takes it out of the batch first (engine.py,
+hybrid.py). The sequence's token ids, checkpoints and kept state are its `hybrid` record.
+
+A sliding-window layer (Gemma 3 and 4, gpt-oss) keeps every position too, not only its window as
+mlx-lm's `RotatingKVCache` does, so that a cache can be truncated or copied to any prefix for KV
+reuse; but it hands attention only the positions some query of the step can see (the window, plus
+the step's own), with a mask in those coordinates: attention costs what the window costs, however
+long the sequence.
 """
 
 from __future__ import annotations
@@ -22,9 +29,22 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from lmserve.engine.protocol import CacheFullError
+from lmserve.engine_mlx.hybrid import Recurrence, snapshot
+
+Layer = KVCache | ArraysCache  # one layer of one sequence
+MergedLayer = BatchKVCache | ArraysCache  # one layer of several
+
+
+def layer_arrays(layers: Sequence[Layer | MergedLayer]) -> list[mx.array]:
+    """The arrays these layer caches hold (what evaluating a cache evaluates)."""
+    out = []
+    for layer in layers:
+        out += [a for a in (layer.cache if isinstance(layer, ArraysCache) else (layer.keys, layer.values))
+                if a is not None]
+    return out
 
 
 class WindowKVCache(KVCache):
@@ -72,8 +92,10 @@ class BatchWindowKVCache(BatchKVCache):
         return layer
 
 
-def merged(layers: Sequence[KVCache]) -> BatchKVCache:
+def merged(layers: Sequence[Layer]) -> MergedLayer:
     """One layer of several sequences as one batch cache, windowed when the layer is."""
+    if isinstance(layers[0], ArraysCache):
+        return ArraysCache.merge(layers)
     batch = BatchKVCache.merge(layers)
     if isinstance(layers[0], WindowKVCache):  # (merge makes a plain BatchKVCache of empty rows itself)
         batch.__class__ = BatchWindowKVCache
@@ -83,12 +105,16 @@ def merged(layers: Sequence[KVCache]) -> BatchKVCache:
 
 class MLXKVCache:
     """One sequence's keys and values on the device. `windows`: per layer, the positions a
-    sliding layer attends (0: all)."""
+    sliding layer attends (0: all); `recurrent`: per layer, whether it is a recurrent layer (then
+    the cache is hybrid and keeps up to `checkpoints` recurrent-state checkpoints)."""
 
-    def __init__(self, n_layers: int, max_tokens: int, windows: Sequence[int] = ()) -> None:
+    def __init__(self, n_layers: int, max_tokens: int, windows: Sequence[int] = (),
+                 recurrent: Sequence[bool] = (), checkpoints: int = 1) -> None:
         self.windows = tuple(windows) or (0,) * n_layers
-        self.layers: list[KVCache] = [self.empty_layer(i) for i in range(n_layers)]
+        self.recurrent = tuple(recurrent) or (False,) * n_layers
+        self.layers: list[Layer] = [self.empty_layer(i) for i in range(n_layers)]
         self.batch: Batch | None = None  # while set, `layers` is stale and the batch holds the row
+        self.hybrid = Recurrence(checkpoints) if any(self.recurrent) else None
         self.n = 0
         self._capacity = max_tokens
 
@@ -103,13 +129,17 @@ class MLXKVCache:
     @property
     def nbytes(self) -> int:
         if self.batch is not None:
-            return self.batch.nbytes // len(self.batch.members)
-        return sum(layer.nbytes for layer in self.layers)
+            shared = self.batch.nbytes // len(self.batch.members)
+            return shared + (self.hybrid.nbytes(()) if self.hybrid is not None else 0)
+        kv = sum(layer.nbytes for layer in self.layers if not isinstance(layer, ArraysCache))
+        return kv + (self.hybrid.nbytes(snapshot(self.layers)) if self.hybrid is not None else 0)
 
-    def empty_layer(self, i: int) -> KVCache:
+    def empty_layer(self, i: int) -> Layer:
+        if self.recurrent[i]:
+            return ArraysCache(size=2)
         return WindowKVCache(self.windows[i]) if self.windows[i] else KVCache()
 
-    def own(self) -> list[KVCache]:
+    def own(self) -> list[Layer]:
         """This sequence's own per-layer caches, taking its row back from a batch if needed."""
         if self.batch is not None:
             self.batch.release([self])
@@ -119,9 +149,16 @@ class MLXKVCache:
         if self.n + n > self._capacity:
             raise CacheFullError(f"KV cache full: {self.n} + {n} positions exceed its {self._capacity}")
 
+    def appended(self, token_ids: Sequence[int]) -> None:
+        """Count positions the layers took (a hybrid cache remembers their ids)."""
+        self.n += len(token_ids)
+        if self.hybrid is not None:
+            self.hybrid.tokens.extend(int(t) for t in token_ids)
+
 
 class Batch:
-    """Several sequences' caches merged, one `BatchKVCache` per layer, rows in `members` order."""
+    """Several sequences' caches merged, one `BatchKVCache` (or `ArraysCache`) per layer, rows in
+    `members` order."""
 
     def __init__(self, members: Sequence[MLXKVCache]) -> None:
         for cache in members:
@@ -134,7 +171,7 @@ class Batch:
             cache.batch = self
 
     @property
-    def layers(self) -> list[BatchKVCache]:
+    def layers(self) -> list[MergedLayer]:
         """The merged per-layer caches, with every drop asked for applied."""
         if any(self._drops):
             self._apply_drops()
@@ -155,6 +192,8 @@ class Batch:
         common = min(drops)
         rest = [d - common for d in drops]
         for layer in self._layers:
+            if isinstance(layer, ArraysCache):  # dropped positions never reached its state (verify's mask)
+                continue
             layer.trim(common)
             if layer.keys is None or not any(rest):
                 continue
@@ -194,10 +233,10 @@ class Batch:
         rows = [i for i, m in enumerate(self.members) if any(m is c for c in caches)]
         for i in rows:
             cache = self.members[i]
-            cache.layers = [layer.extract(i) if layer.keys is not None else cache.empty_layer(j)
+            cache.layers = [layer.extract(i) if not layer.empty() else cache.empty_layer(j)
                             for j, layer in enumerate(layers)]
             cache.batch = None
-        mx.eval([(layer.keys, layer.values) for c in caches for layer in c.layers if layer.keys is not None])
+        mx.eval(layer_arrays([layer for c in caches for layer in c.layers]))
         kept = [i for i in range(len(self.members)) if i not in rows]
         self.members = [self.members[i] for i in kept]
         self._drops = [0] * len(self.members)

@@ -8,11 +8,18 @@ and head are replicated. One rank computes at a time, so this splits a model's m
 time. A rank reads from the GGUF only its own layers' tensors.
 
 A layer another rank holds is a `Skipped` module in its place: the hidden state passes through,
-and its cache keeps a 1x1 key and value per position. The model's own mask code reads the caches
-by layer index (layer 0, Gemma 3's first global layer, gpt-oss's first sliding one), and the engine
-batches, truncates, copies and saves all of a sequence's layers alike, so every rank keeps a cache
-for every layer with the same offsets. mlx-lm's own `PipelineMixin` covers only qwen2 and qwen3_moe
-of our families, and keeps caches for a rank's own layers only, which the first of those breaks.
+and its cache keeps a 1x1 key and value per position (a recurrent layer's, Qwen3.5's Gated
+DeltaNet, a 1x1x1 state). The model's own mask code reads the caches by layer index (layer 0,
+Gemma 3's first global layer, gpt-oss's first sliding one, Qwen3.5's first recurrent and first
+attention layers), and the engine batches, truncates, checkpoints, recomputes, copies and saves
+all of a sequence's layers alike, so every rank keeps a cache for every layer with the same
+offsets, and cuts back to the same checkpoints (every rank remembers the same token ids). mlx-lm's
+own `PipelineMixin` covers only qwen2, qwen3_moe and qwen3_5 of our families, and keeps caches for
+a rank's own layers only, which the first of those breaks.
+
+Gemma 4's decoder layers return (hidden state, shared KV, offset) rather than the hidden state: the
+modules here pass the first on and hand back the rest as the layer gave it (nothing, for a
+skipped one: no layer of ours shares another's KV).
 
 Every send and receive is in the graph of what the engine evaluates: a skipped layer's cache
 depends on the hidden state it passed on (a prefill chunk evaluates only the caches), and a received
@@ -28,6 +35,7 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
 
 T = TypeVar("T")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.")  # a GGUF tensor of one layer
@@ -53,15 +61,20 @@ def _keep_flags(layer: nn.Module, into: nn.Module) -> None:
 class Skipped(nn.Module):
     """A layer another rank holds: the hidden state passes through, the cache counts positions."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, tuple_out: bool) -> None:
         super().__init__()
         _keep_flags(layer, self)
+        self.tuple_out = tuple_out
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None, **kwargs: Any) -> mx.array:
-        if cache is None:
-            return x
-        tiny = mx.depends(mx.zeros((x.shape[0], 1, x.shape[1], 1), x.dtype), x)
-        return mx.depends(x, list(cache.update_and_fetch(tiny, tiny)))
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None, **kwargs: Any) -> Any:
+        if isinstance(cache, ArraysCache):  # a recurrent layer's: a state that depends on x
+            cache[0] = cache[1] = mx.depends(mx.zeros((x.shape[0], 1, 1), x.dtype), x)
+            cache.advance(x.shape[1])
+            x = mx.depends(x, [cache[0]])
+        elif cache is not None:
+            tiny = mx.depends(mx.zeros((x.shape[0], 1, x.shape[1], 1), x.dtype), x)
+            x = mx.depends(x, list(cache.update_and_fetch(tiny, tiny)))
+        return (x, None, None) if self.tuple_out else x
 
 
 class Boundary(nn.Module):
@@ -69,29 +82,32 @@ class Boundary(nn.Module):
     `target` after it, and after the model's last layer gathered from the last rank."""
 
     def __init__(self, layer: nn.Module, group: mx.distributed.Group, source: int | None = None,
-                 target: int | None = None, gather: bool = False) -> None:
+                 target: int | None = None, gather: bool = False, tuple_out: bool = False) -> None:
         super().__init__()
         _keep_flags(layer, self)
         self.layer = layer
         self.group, self.source, self.target, self.gather = group, source, target, gather
+        self.tuple_out = tuple_out
 
-    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> Any:
         if self.source is not None:
             x = mx.depends(mx.distributed.recv_like(x, self.source, group=self.group), x)
-        x = self.layer(x, *args, **kwargs)
+        out = self.layer(x, *args, **kwargs)
+        x, rest = (out[0], out[1:]) if self.tuple_out else (out, ())
         if self.target is not None:
             x = mx.distributed.send(x, self.target, group=self.group)
         if self.gather:
             x = mx.distributed.all_gather(x, group=self.group)[-x.shape[0]:]
-        return x
+        return (x, *rest) if self.tuple_out else x
 
 
 class LayerSplit:
     """This rank's run of layers, and the surgery that leaves a model with only those."""
 
-    def __init__(self, n_layers: int, group: mx.distributed.Group) -> None:
+    def __init__(self, n_layers: int, group: mx.distributed.Group, tuple_layers: bool = False) -> None:
         self.group = group
         self.n_layers = n_layers
+        self.tuple_layers = tuple_layers  # the model's decoder layers return a tuple (Gemma 4)
         self.runs = runs(n_layers, group.size())
         self.held = self.runs[group.rank()]
 
@@ -108,7 +124,7 @@ class LayerSplit:
         layers = model.model.layers  # the list itself (some classes' `layers` is a slice of it)
         for i in range(len(layers)):
             if i not in self.held:
-                layers[i] = Skipped(layers[i])
+                layers[i] = Skipped(layers[i], self.tuple_layers)
 
     def tensors(self, tensors: Mapping[str, T]) -> dict[str, T]:
         """The file's tensors this rank loads: every one but the other ranks' layers'."""
@@ -126,4 +142,4 @@ class LayerSplit:
         ends[self.n_layers - 1]["gather"] = True
         layers = model.model.layers  # the list itself (some classes' `layers` is a slice of it)
         for i, where in ends.items():
-            layers[i] = Boundary(layers[i], self.group, **where)
+            layers[i] = Boundary(layers[i], self.group, tuple_out=self.tuple_layers, **where)

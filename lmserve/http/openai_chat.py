@@ -151,9 +151,10 @@ def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return dict(kwargs or {})
 
 
-def reasoning_requested(effort: str | None) -> bool:
-    """Any effort but none/minimal turns reasoning on (a no-op for a model without a channel)."""
-    return effort is not None and effort not in NO_REASONING
+def reasoning_requested(effort: str | None) -> bool | None:
+    """Any effort but none/minimal turns reasoning on (a no-op for a model without a channel);
+    none/minimal turn it off; no effort leaves the template's default (None)."""
+    return None if effort is None else effort not in NO_REASONING
 
 
 def effort_level(effort: str | None) -> str | None:

@@ -167,6 +167,7 @@ class ChatTemplate:
         self.parallel_calls = True  # False: one call per assistant turn (Llama 3.1 raises, gpt-oss drops the rest)
         self.calls_take_text_and_thinking = True  # False: gpt-oss refuses both on a call turn
         self.user_after_results = True  # False: Mistral wants the assistant's answer after tool results
+        self.results_on_call_turn = False  # True: results are read from the call turn (Gemma 4's older template)
         self.tools_need_description = False  # True: gpt-oss's template fails on a tool without one
         if self.supports_tools:
             self._probe_calls()
@@ -204,6 +205,20 @@ class ChatTemplate:
         self.parallel_calls = both is not None and both.count("probe_b") > one.count("probe_b")
         self.calls_take_text_and_thinking = self._call_turns(call_id, content="c", thinking="t") is not None
         self.user_after_results = self._call_turns(call_id, then=({"role": "user", "content": "y"},)) is not None
+        self.results_on_call_turn = self._reads_results_from_call_turn(call_id)
+
+    def _reads_results_from_call_turn(self, call_id: str) -> bool:
+        """The template shows results given on the call turn (`tool_responses`, Gemma 4's native
+        shape) and renders them otherwise when they come as tool turns: it only knows the former."""
+        user = {"role": "user", "content": "x"}
+        call = {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "probe_a", "arguments": {}}}]}
+        mark = "probe_result_0f3a"
+        on_turn = self._renders([user, {**call, "tool_responses": [{"name": "probe_a", "response": mark}]}],
+                                _PROBE_TOOLS)
+        as_turns = self._renders([user, call, {"role": "tool", "tool_call_id": call_id, "name": "probe_a",
+                                               "content": mark}], _PROBE_TOOLS)
+        return on_turn is not None and mark in on_turn and on_turn != as_turns
 
     def _accepts_system(self) -> bool:
         """False for templates that raise on a system turn (Gemma 1/2's) but render without one."""

@@ -17,6 +17,9 @@ SWIGLU_OAI = "swiglu_oai"  # gpt-oss: clamped gate * sigmoid(1.702 gate) * (up +
 
 ROUTE_SOFTMAX_TOPK = "softmax_topk"  # softmax over all experts, keep the top k, renormalize (Qwen3 MoE)
 ROUTE_TOPK_SOFTMAX = "topk_softmax"  # keep the top k logits, softmax over those (gpt-oss)
+# Gemma 4: the router reads its input RMS-normalized and scaled per channel (`ffn_gate_inp.scale`),
+# keeps the top k logits, softmaxes them and scales each by its expert's own weight.
+ROUTE_GEMMA4 = "gemma4"
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,11 @@ class Family:
     scaled_embedding: bool = False
     local_rope_base: float | None = None  # the sliding layers' RoPE base when the file does not say
     yarn_truncate: bool = True  # gpt-oss's config (and OpenAI's code) leave YaRN's range unrounded
+    hybrid: bool = False  # Qwen3.5: Gated DeltaNet layers beside full attention (config.recurrent_layers)
+    attn_output_gate: bool = False  # Qwen3.5: attention output times sigmoid(a gate q_proj emits)
+    value_norm: bool = False  # Gemma 4: values RMS-normalized (no weight)
+    moe_dense_ffn: bool = False  # Gemma 4: a MoE layer runs a dense FFN beside its experts
+    fixed_scale: float = 0.0  # the attention scale, when the family fixes it (Gemma 4: 1, its q/k norms scale)
     # (substring of the model's name, lower case) -> its recommendation; the first match wins,
     # "" matches every model of the family.
     sampling: tuple[tuple[str, Sampling], ...] = field(default=())
@@ -66,6 +74,8 @@ class Family:
         return bool(self.sliding_pattern) and (layer + 1) % self.sliding_pattern != 0
 
     def attention_scale(self, hidden: int, heads: int, head_dim: int, layers: int) -> float:
+        if self.fixed_scale:
+            return self.fixed_scale
         return self.scale(hidden, heads, head_dim, layers) if self.scale else 0.0
 
     def display_name(self, metadata: dict[str, Any]) -> str:
@@ -87,6 +97,9 @@ def _gemma3_scale(hidden: int, heads: int, head_dim: int, layers: int) -> float:
 
 
 QWEN3_THINKING = Sampling(0.6, 0.95, 20, 0.0, source="Qwen3 model card, thinking mode")
+# Qwen3.5 / 3.6 model cards, thinking mode for general tasks (presence_penalty 1.5 there is not a
+# field lmserve samples with).
+QWEN35_THINKING = Sampling(1.0, 0.95, 20, 0.0, source="Qwen3.5 model card, thinking mode")
 QWEN_CODER = Sampling(0.7, 0.8, 20, None, 1.05, source="Qwen3-Coder / Qwen2.5 generation_config.json")
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
@@ -105,6 +118,11 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
            scale=_gemma3_scale, sampling=(
                ("", Sampling(1.0, 0.95, 64, 0.0, source="Gemma 3 recommended settings")),)),
     Family("phi3", "Phi-3"),
+    Family("qwen35", "Qwen3.5", hybrid=True, attn_output_gate=True, sampling=(("", QWEN35_THINKING),)),
+    Family("qwen35moe", "Qwen3.5 MoE", hybrid=True, attn_output_gate=True, sampling=(("", QWEN35_THINKING),)),
+    Family("gemma4", "Gemma 4", activation=GELU_TANH, scaled_embedding=True, router=ROUTE_GEMMA4,
+           value_norm=True, moe_dense_ffn=True, fixed_scale=1.0, sampling=(
+               ("", Sampling(1.0, 0.95, 64, source="Gemma 4 model card")),)),
     Family("gpt-oss", "gpt-oss", sliding_pattern=2, activation=SWIGLU_OAI, router=ROUTE_TOPK_SOFTMAX,
            yarn_truncate=False,
            sampling=(("", Sampling(1.0, 1.0, source="OpenAI gpt-oss model card")),)),

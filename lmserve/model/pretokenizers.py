@@ -83,6 +83,12 @@ _GROUPS: tuple[tuple[tuple[str, ...], PreTokenizer], ...] = (
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {name: pre for names, pre in _GROUPS for name in names}
 
+# The pre-tokenizer llama.cpp forces for its "gemma4" tokenizer model (BPE over "▁"-spaced raw
+# UTF-8, not byte-level, so not one of the table's): text is cut only into runs of newlines and the
+# runs between them; a newline run that is a token is that token (ggml-org/llama.cpp#21343), which
+# the tokenizer does by adding the newline tokens whole (see tokenizer.py).
+GEMMA4 = PreTokenizer((r"[^\n]+|[\n]+",))
+
 
 def pre_tokenizer(name: str | None) -> PreTokenizer | None:
     """The pre-tokenizer a GGUF names (llama.cpp falls back to 'default' when none is named), or None."""

@@ -19,7 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
-from lmserve.model.pretokenizers import PRE_TOKENIZERS, pre_tokenizer
+from lmserve.model.pretokenizers import GEMMA4, PRE_TOKENIZERS, pre_tokenizer
 
 # llama.cpp token types (tokenizer.ggml.token_type); 5 (unused) and 0 (undefined) render as nothing.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6
@@ -120,8 +120,12 @@ class Tokenizer:
         elif kind == "llama":
             backend = _sentencepiece_backend(tokens, md, types)
             add_bos_default = True
+        elif kind == "gemma4":
+            backend = _gemma4_backend(tokens, md)
+            add_bos_default = True
         else:
-            raise ModelLoadError(f"{gguf.path.name}: unsupported tokenizer model '{kind}' (supported: gpt2, llama)")
+            raise ModelLoadError(f"{gguf.path.name}: unsupported tokenizer model '{kind}' "
+                                 "(supported: gpt2, llama, gemma4)")
 
         eog_ids = _eog_ids(md, tokens)
         special_ids = frozenset(i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN)) | eog_ids
@@ -132,7 +136,8 @@ class Tokenizer:
 
         token_bytes = _token_bytes(tokens, types, special_ids, byte_level=kind == "gpt2")
         bos_id, eos_id = _token_id(md, "bos", tokens), _token_id(md, "eos", tokens)
-        add_bos = bool(md.get("tokenizer.ggml.add_bos_token", add_bos_default))
+        # llama.cpp adds BOS to every Gemma 4 prompt whatever the file says (its PR 21500)
+        add_bos = bool(md.get("tokenizer.ggml.add_bos_token", add_bos_default)) or kind == "gemma4"
         add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
         if (add_bos and bos_id is None) or (add_eos and eos_id is None):
             raise ModelLoadError(f"{gguf.path.name} asks for BOS/EOS to be added but does not name the token")
@@ -199,15 +204,38 @@ def _sentencepiece_backend(tokens: list[str], md: dict[str, Any], types: list[in
             merges.extend((-score, -cut, cut - len(token), token[:cut], token[cut:])
                           for cut in range(1, len(token)) if token[:cut] in vocab and token[cut:] in vocab)
     merges.sort(key=lambda m: m[:3])  # ties ordered as transformers' generate_merges orders them
-    unk_id = _token_id(md, "unknown", tokens)
-    backend = HFTokenizer(models.BPE(
-        vocab, [m[3:] for m in merges], byte_fallback=True, fuse_unk=True,
-        unk_token=tokens[unk_id] if unk_id is not None else None,
-    ))
     # llama.cpp prefixes every text fragment between special tokens with a space, unconditionally; a
     # normalizer runs per fragment, unlike Metaspace which skips text already starting with a space.
+    return _spm_bpe_backend(tokens, [m[3:] for m in merges], md,
+                            space_prefix=bool(md.get("tokenizer.ggml.add_space_prefix", True)))
+
+
+def _gemma4_backend(tokens: list[str], md: dict[str, Any]) -> HFTokenizer:
+    """Gemma 4's BPE (llama.cpp's tokenizer model "gemma4", pre-tokenizer GEMMA4): the file's ranked
+    merges over "▁"-spaced raw UTF-8, no space prefix, pieces cut at newline runs, <0xXX> fallback.
+    llama.cpp takes a newline run that is a token whole, merges or not: the newline tokens are
+    added whole, matched longest first. That is llama.cpp's rule wherever the run's length is a
+    token; a longer run llama.cpp merges by rank, this takes the longest token first (SentencePiece's
+    way with such pieces). `ignore_merges` would keep llama.cpp's rule there but also take a line
+    that is only a byte or control token's text (`<0x41>`) as that token, which llama.cpp spells out."""
+    merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges") or []]
+    backend = _spm_bpe_backend(tokens, merges, md, space_prefix=False)
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in GEMMA4.regexes])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in tokens if t and not t.strip("\n")])
+    return backend
+
+
+def _spm_bpe_backend(tokens: list[str], merges: list[tuple[str, ...]], md: dict[str, Any],
+                     space_prefix: bool) -> HFTokenizer:
+    """BPE over text whose spaces are "▁", falling back to <0xXX> byte tokens, decoded back alike."""
+    unk_id = _token_id(md, "unknown", tokens)
+    backend = HFTokenizer(models.BPE(
+        {token: i for i, token in enumerate(tokens)}, merges, byte_fallback=True, fuse_unk=True,
+        unk_token=tokens[unk_id] if unk_id is not None else None,
+    ))
     steps = [normalizers.Replace(" ", SPM_SPACE)]
-    if md.get("tokenizer.ggml.add_space_prefix", True):
+    if space_prefix:
         steps.insert(0, normalizers.Prepend(SPM_SPACE))
     backend.normalizer = normalizers.Sequence(steps)
     backend.decoder = decoders.Sequence([decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])

@@ -49,6 +49,9 @@ class GenerationJob:
     stop: list[str] = field(default_factory=list)
     session_id: str | None = None
     reply: ReplyPlan = field(default_factory=ReplyPlan)  # reasoning, tool calls, grammar
+    # Prompt tokens before the template's generation prompt (0: unknown): a hybrid cache is
+    # checkpointed there, where the next turn's prompt parts from this one (serving/scheduler.py).
+    history_end: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:

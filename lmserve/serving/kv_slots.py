@@ -11,6 +11,10 @@ Choice for a prompt P among idle slots (as llama.cpp, plus a donor-preserving co
   similarity gate: its first rows are copied into another slot; the donor stays intact;
 - a file in the disk tier that matches better than every resident slot is restored;
 - otherwise the least recently used slot is reset (spilled to disk first when a tier exists).
+
+A hybrid model's cache (Qwen3.5's recurrent layers) cuts back exactly only to its checkpoints, so a
+shared prefix counts up to the engine's `resume_point` for it: the latest checkpoint at or below
+the common prefix, whose rest is then prefilled like the new part of the prompt.
 """
 
 from __future__ import annotations
@@ -83,9 +87,9 @@ class SlotPool:
             return self._adopt(target, 0, session_id, "reset")
 
         def score(s: Slot) -> tuple[int, bool, int]:
-            """Longest shared prefix first; the same session, then recency, break ties."""
+            """Longest reusable prefix first; the same session, then recency, break ties."""
             same = session_id is not None and s.session_id == session_id
-            return (min(common_prefix(s.tokens, prompt), limit), same, s.last_used)
+            return (self._reusable(s.cache, min(common_prefix(s.tokens, prompt), limit)), same, s.last_used)
 
         best = max(idle, key=score)
         shared = score(best)[0]
@@ -116,8 +120,13 @@ class SlotPool:
         if cache is None:  # unreadable after all: skip it, fall back to a cold prefill
             return self._adopt(target, 0, session_id, "reset")
         target.cache, target.tokens = cache, list(entry.tokens)
-        shared = min(entry.shared, len(prompt) - 1)
+        shared = self._reusable(cache, min(entry.shared, len(prompt) - 1))
         return self._adopt(target, shared, session_id, "disk")
+
+    def _reusable(self, cache: KVCache, shared: int) -> int:
+        """How much of a shared prefix of `shared` positions is reused: all of it, or for a hybrid
+        cache up to its latest checkpoint (`Engine.resume_point`)."""
+        return self.engine.resume_point(cache, shared) if shared else 0
 
     @staticmethod
     def _victim(idle: list[Slot], exclude: Slot | None = None) -> Slot | None:

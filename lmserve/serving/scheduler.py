@@ -7,6 +7,12 @@ long prompt never stalls the running streams for more than one chunk; it joins t
 its prompt is in the cache. A cancelled job (client gone) is dropped from the queue at once and
 from the batch at the next step or chunk, giving back its slot.
 
+A hybrid model's cache (recurrent layers, `engine/checkpoints.py`) is checkpointed where a later
+request may want to resume: after every prefill chunk, where the history ends (before the
+template's generation prompt: the next turn's prompt renders this reply in its own way and parts
+from this one there), and at the prompt's last two positions (its last token is prefilled alone:
+a retry of the same prompt resumes there, since at least the last token is always prefilled).
+
 With speculative decoding (serving/speculate.py) a step is a verify pass whenever a sequence has
 a draft and the drafts are worth the pass (`PassCosts`, from the passes timed so far): each
 sequence feeds its last token plus its draft (possibly none), picks from every position's logits
@@ -93,6 +99,8 @@ class Scheduler:
         self.prefill_chunk = max(0, prefill_chunk)
         self.drafters = drafters  # makes each admitted sequence's drafter (None: no speculation)
         self.pass_costs = PassCosts()  # what each shape of engine pass costs: when a draft pays
+        self.checkpoints = engine.config.is_hybrid  # place recurrent-state checkpoints (see the module doc)
+        self._rollback_seconds = 0.0  # this step's truncations of rejected drafts (hybrid: recomputation)
         self.tokens_generated = 0  # every token the engine produced, for tests and metrics
         self._queue: deque[GenerationJob] = deque()
         self._prefilling: deque[_Sequence] = deque()  # admitted, prompt partly in the cache
@@ -212,6 +220,8 @@ class Scheduler:
                         ReplyDecoder(job.reply, self.tokenizer.token_bytes, job.stop, job.max_tokens),
                         adoption.reused, fed=adoption.reused,
                         drafter=self.drafters(job.prompt_ids) if self.drafters else None)
+        if self.checkpoints and adoption.reused:  # a previous turn's end may be resumed from again
+            self.engine.checkpoint(seq.cache)
         job.emit(Started(len(job.prompt_ids), adoption.reused))
         self._prefilling.append(seq)
 
@@ -229,9 +239,13 @@ class Scheduler:
         seq = self._prefilling[0]
         prompt = seq.job.prompt_ids
         end = len(prompt) if not self.prefill_chunk else min(len(prompt), seq.fed + self.prefill_chunk)
+        if self.checkpoints:
+            end = self._checkpointed_end(seq, end)
         try:
             logits = self.engine.prefill(seq.cache, prompt[seq.fed:end])
             seq.fed = end
+            if self.checkpoints:
+                self.engine.checkpoint(seq.cache)
             if end < len(prompt):
                 return
             self._prefilling.popleft()
@@ -242,6 +256,15 @@ class Scheduler:
             if self._prefilling and self._prefilling[0] is seq:
                 self._prefilling.popleft()
             self._fail(seq, exc)
+
+    def _checkpointed_end(self, seq: _Sequence, end: int) -> int:
+        """A hybrid prompt's chunk ends where a checkpoint is wanted: at the end of the history
+        (before the generation prompt, where the next turn's prompt parts from this one), and before
+        the last token, which is prefilled alone."""
+        last = len(seq.job.prompt_ids)
+        if seq.fed < seq.job.history_end < end:
+            return seq.job.history_end
+        return end - 1 if end == last and end - seq.fed > 1 else end
 
     def _step(self) -> None:
         """One engine pass for every running sequence: a verify pass when any has a draft (the
@@ -259,7 +282,7 @@ class Scheduler:
                 rows = self.engine.verify(caches, [[t, *d] for t, d in zip(tokens, drafts, strict=True)])
             else:
                 rows = self.engine.decode_argmax(caches, tokens) if device_greedy else self.engine.decode(caches, tokens)
-            self.pass_costs.record(len(caches), width, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
         except Exception as exc:  # the engine step failed: every sequence in it fails
             log.exception("decode step failed")
             for seq in self._active:
@@ -280,6 +303,9 @@ class Scheduler:
             if not done:
                 still.append(seq)
         self._active = still
+        # A verify pass costs its rollbacks too (a hybrid cache recomputes the positions it keeps).
+        self.pass_costs.record(len(caches), width, seconds + self._rollback_seconds)
+        self._rollback_seconds = 0.0
 
     def _drafts(self) -> list[list[int]]:
         """Each running sequence's draft ([]: none), capped so that taking all of it cannot pass
@@ -327,7 +353,9 @@ class Scheduler:
         # (an accepted end-of-turn token is not part of it).
         keep = min(base + 1 + accepted, seq.fed + len(seq.generated))
         if keep < seq.cache.length:
+            start = time.perf_counter()
             self.engine.truncate(seq.cache, keep)
+            self._rollback_seconds += time.perf_counter() - start
         if draft and seq.drafter is not None:
             seq.drafter.record(len(draft), accepted)
         return reason is not None and self._finish(seq, reason)

@@ -1,0 +1,57 @@
+"""One attention layer over a pass: projections, q/k (and Gemma 4's v) norms, rotary embedding,
+each cache's keys and values written and attended to, the output gate and projection.
+
+Q, K and V come from one fused matrix (one product a step). Qwen3.5's q_proj emits each head's
+query and then its gate (llama.cpp keeps that layout in `attn_q`); the attention output is times
+sigmoid(gate). Gemma 4's global layers have no V projection: their values are the K projection
+before its norm and rotation, RMS-normalized without a weight, as all of Gemma 4's values are.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lmserve.engine_cpu import ops
+from lmserve.engine_cpu.batch import Batch
+from lmserve.engine_cpu.weights import AttentionWeights
+
+
+def attend(x: np.ndarray, a: AttentionWeights, batch: Batch, layer: int,
+           rope: tuple[np.ndarray, np.ndarray], scale: float, eps: float) -> np.ndarray:
+    """The layer's output `[n, hidden]` for the normalized rows `x` `[n, hidden]`; appends the
+    rows' keys and values to each cache (room is reserved already). `rope`: the cos and sin
+    tables of the rows' positions."""
+    n = len(x)
+    nq, nkv, hd = a.heads
+    qkv = ops.linear(x, a.qkv)
+    if a.qkv_bias is not None:
+        qkv += a.qkv_bias
+    heads = qkv.reshape(n, -1, hd)
+    gate = None
+    if a.output_gate:  # each query head's rows: its query, then its gate
+        gate = heads[:, 1:2 * nq:2].reshape(n, nq * hd)
+        heads = np.concatenate([heads[:, 0:2 * nq:2], heads[:, 2 * nq:]], axis=1)
+    # Values are taken before the keys are normalized in place: Gemma 4's K rows are its values,
+    # which its value norm then makes a new array of.
+    v = heads[:, nq:nq + nkv] if a.values_from_keys else heads[:, nq + nkv:]
+    if a.value_norm:
+        v = ops.rms_norm(v, None, eps)
+    if a.q_norm is not None and a.k_norm is not None:
+        heads[:, :nq] = ops.rms_norm(heads[:, :nq], a.q_norm, eps)
+        heads[:, nq:nq + nkv] = ops.rms_norm(heads[:, nq:nq + nkv], a.k_norm, eps)
+    qk = ops.rope(heads[:, :nq + nkv], *rope)  # Q and K in one pass
+    q, k = qk[:, :nq], qk[:, nq:]
+    out = np.empty((n, nq * hd), dtype=np.float32)
+    for s in batch.spans:
+        end = s.start + batch.width
+        keys, values = s.cache.k[layer], s.cache.v[layer]
+        keys[:, s.start:end] = k[s.lo:s.hi].transpose(1, 0, 2)
+        values[:, s.start:end] = v[s.lo:s.hi].transpose(1, 0, 2)
+        out[s.lo:s.hi] = ops.attention(q[s.lo:s.hi], keys[:, :end], values[:, :end], s.start, scale,
+                                       a.window, a.sinks)
+    if gate is not None:
+        out *= ops.sigmoid(gate)
+    out = ops.linear(out, a.o)
+    if a.o_bias is not None:
+        out += a.o_bias
+    return out

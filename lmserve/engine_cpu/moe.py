@@ -1,0 +1,72 @@
+"""Mixture-of-experts FFNs: route each row to its top-k experts and sum their weighted outputs.
+
+Rows are grouped by expert, so each selected expert's matrices are read once per step and the
+others not at all. Routing by family: softmax over every expert, keep the top k, renormalize
+(Qwen3 MoE, Qwen3.5 MoE, and Gemma 4, which scales each chosen weight by its expert's own scale and
+routes on the residual stream RMS-normalized and scaled per channel); or softmax over the top k
+logits (gpt-oss). Qwen3.5 MoE adds a shared expert every row runs, gated by sigmoid(x . gate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from lmserve.engine_cpu import ops
+from lmserve.engine_cpu.weights import ExpertWeights
+from lmserve.model.families import ROUTE_TOPK_SOFTMAX
+
+Activation = Callable[[np.ndarray], np.ndarray]
+
+
+def mixture(x: np.ndarray, residual: np.ndarray, m: ExpertWeights, k: int, router: str,
+            activation: Activation, eps: float) -> np.ndarray:
+    """The experts' output for their input rows `x` `[n, hidden]`; `residual` is the layer's
+    residual stream, which Gemma 4's router reads instead of `x`."""
+    if m.router_scale is not None:
+        routed = ops.rms_norm(residual, m.router_scale, eps) * np.float32(residual.shape[-1] ** -0.5)
+    else:
+        routed = x
+    logits = ops.linear(routed, m.router)
+    if m.router_bias is not None:
+        logits += m.router_bias
+    chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :k]  # [n, k]
+    if router == ROUTE_TOPK_SOFTMAX:  # gpt-oss: softmax over the k chosen logits
+        weights = ops.softmax(np.take_along_axis(logits, chosen, axis=-1))
+    else:  # softmax over every expert, keep the chosen, renormalize
+        weights = np.take_along_axis(ops.softmax(logits), chosen, axis=-1)
+        weights /= weights.sum(axis=-1, keepdims=True)
+    if m.expert_scale is not None:
+        weights *= m.expert_scale[chosen]
+    out = _experts(x, m, chosen, weights, activation)
+    if m.shared is not None:
+        shared = ops.gated_ffn(x, m.shared.gate_up, m.shared.down, activation)
+        out += shared * ops.sigmoid(x @ m.shared.gate)[:, None]
+    return out
+
+
+def _experts(x: np.ndarray, m: ExpertWeights, chosen: np.ndarray, weights: np.ndarray,
+             activation: Activation) -> np.ndarray:
+    """Each row's chosen experts `[n, k]`, run and summed by `weights` `[n, k]`; each selected
+    expert runs once, on the rows routed to it."""
+    k = chosen.shape[1]
+    flat, flat_weights = chosen.ravel(), weights.ravel()
+    order = np.argsort(flat, kind="stable")  # (row, slot) pairs grouped by expert
+    counts = np.bincount(flat, minlength=len(m.gate_up))
+    out = np.zeros_like(x)
+    stop = 0
+    for expert, count in enumerate(counts.tolist()):
+        if not count:
+            continue
+        pairs = order[stop:stop + count]
+        stop += count
+        rows = pairs // k  # distinct: a row picks an expert at most once
+        gate_up = ops.linear(x[rows], m.gate_up[expert])
+        if m.gate_up_bias is not None:
+            gate_up += m.gate_up_bias[expert]
+        y = ops.linear(activation(gate_up), m.down[expert])
+        if m.down_bias is not None:
+            y += m.down_bias[expert]
+        out[rows] += y * flat_weights[pairs, None]
+    return out
