@@ -23,6 +23,7 @@ REQUIRED = "LMSERVE_REQUIRE_AGENTS"  # set by .ci/run: there, a missing client f
 # A tiny fixture with the Qwen3-Coder template: its 512-token vocabulary makes Claude Code's first
 # request about 52,000 tokens, Codex's about 26,000.
 SCRIPTED_MODEL = REPO / "tests" / "data" / "fixtures" / "arch" / "qwen3moe" / "tiny-qwen3moe-Q8_0.gguf"
+HYBRID_MODEL = REPO / "tests" / "data" / "fixtures" / "arch" / "qwen35" / "tiny-qwen35-Q8_0.gguf"
 SCRIPTED_CTX = "65536"
 
 

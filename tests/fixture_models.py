@@ -115,9 +115,10 @@ def _tensors(shape: Shape, vocab: int, rng: np.random.Generator) -> dict[str, np
     return out
 
 
-def write_model(path: Path, arch: str, dtype: str = "F32", seed: int = 0) -> Path:
-    """Write one fixture. `dtype` "F16" stores matrices as F16 (vectors stay F32, as llama.cpp does)."""
-    shape = SHAPES[arch]
+def write_model(path: Path, arch: str, dtype: str = "F32", seed: int = 0, shape: Shape | None = None) -> Path:
+    """Write one fixture. `dtype` "F16" stores matrices as F16 (vectors stay F32, as llama.cpp does);
+    `shape`: other dimensions than the architecture's fixture (scripts/bench_hybrid.py)."""
+    shape = shape or SHAPES[arch]
     tokens, types = vocabulary()
     writer = GGUFWriter(path, arch)
     writer.add_name(f"tiny-{arch}-fixture")

@@ -2,7 +2,8 @@
 
 A tiny random-weight model would never choose to call a tool, so the round trips run on a scripted
 model (tests/engine_proxies.py `ScriptedEngine`: the real NumPy engine, template, tokenizer, reply
-router, tool parsing, dialects and KV slots, with the logits masked to spell the script's reply).
+router, tool parsing, dialects and KV slots, with the logits masked to spell the script's reply):
+Claude Code on the Qwen3.5 fixture (a hybrid model), Codex on the Qwen3-Coder-shaped qwen3moe one.
 The smoke runs at the end are unscripted: SmolLM2 says whatever it says, and the clients must take
 it without a protocol error.
 
@@ -12,12 +13,15 @@ The clients come from scripts/install_agents.sh (.ci/run runs it); absent, the t
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.agent_clients import (
+    HYBRID_MODEL,
     SCRIPTED_CTX,
     SCRIPTED_MODEL,
     access_entries,
@@ -38,29 +42,35 @@ CODEX_ANSWER = f"The codeword in notes.txt is {CODEX_SECRET}."
 
 
 class Scripted:
-    """The scripted server and the folders its script points into."""
+    """The scripted server and the folders its script points into. `thought`: the model thinks
+    first (Qwen3.5, whose generation prompt opens `<think>`): every reply closes its thinking."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, thought: str = "") -> None:
         self.claude_dir, self.codex_dir = root / "claude-work", root / "codex-work"
         self.claude_dir.mkdir()
         self.codex_dir.mkdir()
         (self.codex_dir / "notes.txt").write_text(f"Codeword {CODEX_SECRET}.\n")
         claude_rules, self.claude_marker = read_chain(self.claude_dir, "READ-THE-NOTES", 1, CLAUDE_ANSWER)
-        self.script = Script((*claude_rules,
-                              Rule("CAT-THE-NOTES", qwen3_coder_call("exec_command", cmd="cat notes.txt")),
-                              Rule(CODEX_SECRET, CODEX_ANSWER)))
+        rules = (*claude_rules, Rule("CAT-THE-NOTES", qwen3_coder_call("exec_command", cmd="cat notes.txt")),
+                 Rule(CODEX_SECRET, CODEX_ANSWER))
+        self.script = Script(tuple(Rule(r.after, thought + r.reply) for r in rules))
         self.script_path, self.record = root / "script.json", root / "requests.jsonl"
         self.script.dump(self.script_path)
         self.server: Server | None = None
 
 
+@contextmanager
+def scripted_server(root: Path, model: Path, thought: str = "") -> Iterator[Scripted]:
+    setup = Scripted(root, thought)
+    hooks = Hooks(script=setup.script_path, record=setup.record)
+    with start_server(str(model), "--engine", "cpu", "--ctx", SCRIPTED_CTX, hooks=hooks) as server:
+        setup.server = server
+        yield setup
+
+
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("agents")
-    setup = Scripted(root)
-    hooks = Hooks(script=setup.script_path, record=setup.record)
-    with start_server(str(SCRIPTED_MODEL), "--engine", "cpu", "--ctx", SCRIPTED_CTX, hooks=hooks) as server:
-        setup.server = server
+    with scripted_server(tmp_path_factory.mktemp("agents"), SCRIPTED_MODEL) as setup:
         yield setup
 
 
@@ -69,7 +79,17 @@ def assert_mostly_cached(entry: dict) -> None:
     assert entry["cached_tokens"] >= 0.9 * entry["prompt_tokens"], entry
 
 
-def test_claude_code_reads_a_file_with_its_read_tool_and_answers(scripted: Scripted, tmp_path: Path):
+def test_claude_code_reads_a_file_with_its_read_tool_and_answers(tmp_path: Path):
+    """On Qwen3.5 (the model people pair with Claude Code now; Gated DeltaNet layers, whose state
+    cannot be cut back): a Read round trip, and the follow-up turn still >= 90% from cache,
+    resumed at the checkpoint where the first turn's history ended. Its template thinks (the
+    generation prompt opens `<think>`), so every scripted reply closes its thinking first."""
+    (tmp_path / "agents").mkdir()
+    with scripted_server(tmp_path / "agents", HYBRID_MODEL, thought="I will read the note.\n</think>\n\n") as setup:
+        claude_code_round_trip(setup, tmp_path)
+
+
+def claude_code_round_trip(scripted: Scripted, tmp_path: Path) -> None:
     run = run_claude(scripted.server, "READ-THE-NOTES: what does note1.txt say?", scripted.claude_dir,
                      tmp_path / "home", "--output-format", "json")
     assert run.returncode == 0, run.stderr + run.stdout

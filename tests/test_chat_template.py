@@ -19,7 +19,7 @@ from lmserve.http.response_store import ResponseStore
 from lmserve.model.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
 from lmserve.model.tokenizer import Tokenizer
-from tests.conftest import TEMPLATES, TINY_LLAMA
+from tests.conftest import CLIENTS, TEMPLATES, TINY_LLAMA
 
 QWEN3 = (TEMPLATES / "qwen3.jinja").read_text()
 TINY_LLAMA_F32 = TINY_LLAMA / "tiny-llama-F32.gguf"
@@ -382,3 +382,19 @@ def test_gemma4_interleaved_gets_results_on_the_call_turn(tiny_tokenizer: Tokeni
     assert ('<|tool_call>call:get_weather{city:<|"|>Zürich<|"|>}<tool_call|>'
             '<|tool_response>response:get_weather{temp:21}<tool_response|><|turn>user\nAnd tomorrow?') in ours
     assert "<|turn>tool" not in ours
+
+
+def test_a_later_system_turn_becomes_a_user_turn_where_the_template_takes_one_only_first(
+        tiny_tokenizer: Tokenizer) -> None:
+    """Claude Code 2.1 sends a system message after the first user turn; Qwen3.5's template raises
+    on it ("System message must be at the beginning"). It is rendered as a user turn there, and
+    the leading system turn, which every later prompt of the session starts with, is unchanged."""
+    body = json.loads((CLIENTS / "claude-code-2.1.197-messages-with-tools.json").read_text())["body"]
+    request = parse_messages(body, 1000)
+    assert [m.role for m in request.messages] == ["system", "user", "system"]
+    template = ChatTemplate(*family_template("qwen3.5"))
+    assert template.supports_system and not template.system_anywhere
+    prompt = PromptBuilder(tiny_tokenizer, template).render(request)
+    late = request.messages[2].content
+    assert f"<|im_start|>user\n{late}<|im_end|>" in prompt and prompt.startswith("<|im_start|>system\n")
+    assert ChatTemplate(QWEN3, SPECIAL).system_anywhere  # Qwen3's renders it where it is

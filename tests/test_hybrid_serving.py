@@ -101,20 +101,27 @@ def drafts(server: Server) -> tuple[int, int]:
                  for name in ("lmserve_draft_tokens_total", "lmserve_draft_accepted_tokens_total"))
 
 
+SPECULATION = {"ngram": ("--speculate", "ngram"),  # prompt lookup
+               "draft": ("--draft", str(Fixture("qwen35", "Q4_K_M").path)),  # a hybrid draft model too
+               "off": ("--speculate", "off")}
+
+
 @pytest.mark.parametrize("engine", ["cpu", "mlx"])
 def test_speculative_decoding_leaves_replies_and_the_cache_as_plain_decoding(engine: str) -> None:
-    """A copy-heavy prompt drafts by prompt lookup; some drafts are rejected, and each rejection
-    rolls the recurrent state back by recomputing the kept tokens. The reply, and the next turn
-    that continues the same slot, are what plain decoding gives."""
+    """A copy-heavy prompt, drafted by prompt lookup and by a draft model (the Q4_K_M file, itself
+    hybrid, rewinding its own cache past rejected drafts); some drafts are rejected, and each
+    rejection rolls the recurrent state back by recomputing the kept tokens. The reply, and the
+    next turn that continues the same slot, are what plain decoding gives."""
     first = [{"role": "user", "content": "Repeat this:\n" + COPY}]
     replies = {}
-    for mode in ("ngram", "off"):
-        with start_server(MODEL, "--engine", engine, "--ctx", "2048", "--speculate", mode) as server:
+    for mode, flags in SPECULATION.items():
+        with start_server(MODEL, "--engine", engine, "--ctx", "2048", *flags) as server:
             one = chat(server, first, max_tokens=80, reasoning_effort="none")
             follow = [*first, {"role": "assistant", "content": said(one)[1]}, {"role": "user", "content": "Again."}]
             two = chat(server, follow, max_tokens=40, reasoning_effort="none")
             replies[mode] = (said(one), said(two), drafts(server))
-    drafted, accepted = replies["ngram"][2]
-    assert 0 < accepted < drafted, replies["ngram"][2]  # drafts were taken and rejected: rollbacks ran
+    for mode in ("ngram", "draft"):
+        drafted, accepted = replies[mode][2]
+        assert 0 < accepted < drafted, (mode, replies[mode][2])  # taken and rejected drafts: rollbacks ran
+        assert replies[mode][:2] == replies["off"][:2], mode
     assert replies["off"][2] == (0, 0)
-    assert replies["ngram"][:2] == replies["off"][:2]

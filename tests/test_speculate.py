@@ -60,13 +60,24 @@ def finished(events: list[Event]) -> Finished:
     return events[-1]
 
 
+class DraftsAlwaysPay(speculate.PassCosts):
+    """The cost gate pinned open: whether a draft is verified then depends on the drafter alone,
+    not on how long this machine's passes took, so counts of accepted tokens are repeatable."""
+
+    def pays(self, drafters, drafts) -> bool:
+        return True
+
+
 def generate(model: LoadedModel, engine: Engine, mode: str, requests: list[ChatRequest | tuple[list[int], int]],
-             ctx: int = 1024, draft: Engine | None = None) -> tuple[list[list[Event]], Runtime]:
+             ctx: int = 1024, draft: Engine | None = None, measured_gate: bool = False,
+             ) -> tuple[list[list[Event]], Runtime]:
     """The requests (chats, or greedy raw prompts with their max_tokens) decoded together by a
     fresh runtime (no KV reuse between calls); its worker is stopped, its slots left as the
-    requests left them."""
+    requests left them. The cost gate is pinned open unless `measured_gate`."""
     runtime = Runtime(model, engine, ServerOptions(ctx=ctx, kv_slots=len(requests), max_batch=len(requests),
                                                    speculate=mode), draft)
+    if not measured_gate:
+        runtime.scheduler.pass_costs = DraftsAlwaysPay()
     runtime.scheduler.start()  # (not runtime.start: its warm-up thread would only compete for the CPU)
 
     async def all_of() -> list[list[Event]]:
@@ -171,7 +182,7 @@ def test_drafts_that_never_pay_leave_the_reply_as_without_speculation(smollm2, m
     request = chat(EDIT, max_tokens=60)
     (plain,), _ = generate(model, engine, "off", [request])
     monkeypatch.setattr(speculate.PassCosts, "pays", lambda self, drafters, drafts: False)
-    (gated,), _ = generate(model, engine, "ngram", [request])
+    (gated,), _ = generate(model, engine, "ngram", [request], measured_gate=True)
     assert text_of(gated) == text_of(plain)
     assert finished(gated).usage.drafted == 0  # every draft was held back, none verified
 

@@ -27,11 +27,12 @@ class PromptBuilder:
         """The prompt text. A template without tool support gets tools and tool history folded into
         plain turns (hermes), one with it gets past calls shaped the way it can render them
         (`fit_calls`); one that refuses a system turn gets it folded into the first user turn, one
-        that wants alternating roles gets consecutive user turns joined. Thinking follows the
-        client where it says (else the template's default) and is off while a grammar governs the
-        reply; gpt-oss's `reasoning_effort` follows the client's effort, "low" under a grammar. A template that reads tool results from the call
-        turn (Gemma 4's older one) gets them folded there; where Gemma 4's template leaves the
-        model's turn unopened, it is opened."""
+        that takes it only first gets later ones as user turns, one that wants alternating roles
+        gets consecutive user turns joined. Thinking follows the client where it says (else the
+        template's default) and is off while a grammar governs the reply; gpt-oss's
+        `reasoning_effort` follows the client's effort, "low" under a grammar. A template that
+        reads tool results from the call turn (Gemma 4's older one) gets them folded there; where
+        Gemma 4's template leaves the model's turn unopened, it is opened."""
         template = self.template
         messages, tools = request.messages, request.offered_tools
         if template.supports_tools:
@@ -40,6 +41,8 @@ class PromptBuilder:
             messages, tools = hermes.fold(messages, tools), []
         if not template.supports_system:
             messages = fold_system(messages)
+        elif not template.system_anywhere:
+            messages = later_system_as_user(messages)
         if template.alternates:
             messages = join_user_turns(messages)
         kwargs = self._template_kwargs(request)
@@ -160,6 +163,14 @@ def fold_system(messages: list[Message]) -> list[Message]:
         return [Message("user", system), *rest]
     folded = dataclasses.replace(rest[first_user], content=f"{system}\n\n{rest[first_user].content}")
     return [*rest[:first_user], folded, *rest[first_user + 1:]]
+
+
+def later_system_as_user(messages: list[Message]) -> list[Message]:
+    """System turns after the first message as user turns, for templates that take a system turn
+    only at the start (Qwen3.5's raises): Claude Code sends one mid-conversation. Moving it into the
+    leading system turn instead would change the start of every later prompt, and with it every
+    cached prefix."""
+    return [dataclasses.replace(m, role="user") if i and m.role == "system" else m for i, m in enumerate(messages)]
 
 
 def join_user_turns(messages: list[Message], onto: str = "user") -> list[Message]:

@@ -157,6 +157,9 @@ class ChatTemplate:
         self.supports_thinking = "enable_thinking" in variables
         self.supports_effort = "reasoning_effort" in variables  # gpt-oss: "low" | "medium" | "high"
         self.supports_system = self._accepts_system()
+        # A system turn after the first message (Claude Code sends one) is refused by some (Qwen3.5).
+        self.system_anywhere = self.supports_system and self._renders(
+            [{"role": "user", "content": "a"}, {"role": "system", "content": "s"}]) is not None
         # Roles must alternate user/assistant (Gemma, Mistral): two user turns in a row are refused.
         self.alternates = (self._renders([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
                                           {"role": "user", "content": "c"}]) is not None

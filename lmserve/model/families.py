@@ -97,9 +97,9 @@ def _gemma3_scale(hidden: int, heads: int, head_dim: int, layers: int) -> float:
 
 
 QWEN3_THINKING = Sampling(0.6, 0.95, 20, 0.0, source="Qwen3 model card, thinking mode")
-# Qwen3.5 / 3.6 model cards, thinking mode for general tasks (presence_penalty 1.5 there is not a
-# field lmserve samples with).
-QWEN35_THINKING = Sampling(1.0, 0.95, 20, 0.0, source="Qwen3.5 model card, thinking mode")
+# The Qwen3.5 / 3.6 model cards' thinking mode for precise coding tasks (the general-task rows add a
+# presence penalty of 1.5, which recommended defaults here do not carry).
+QWEN35_THINKING = Sampling(0.6, 0.95, 20, 0.0, source="Qwen3.5 model card, thinking mode for coding")
 QWEN_CODER = Sampling(0.7, 0.8, 20, None, 1.05, source="Qwen3-Coder / Qwen2.5 generation_config.json")
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
