@@ -1,7 +1,7 @@
 """lmserve with test hooks that production code has no place for, started by tests/server_util.py:
 
     python -m tests.hooked_server [--fault-marker MARKER] [--available-memory BYTES]
-                                  [--script FILE] [--record FILE] -- LMSERVE ARGS
+                                  [--script FILE] [--record FILE] [--drafts-always-pay] -- LMSERVE ARGS
 
 The hooks are installed here, around the real code, before `lmserve.cli.main(LMSERVE ARGS)` runs:
 
@@ -14,6 +14,8 @@ The hooks are installed here, around the real code, before `lmserve.cli.main(LMS
   `Script` in FILE says (tests/engine_proxies.py).
 - `--record`: every request's method, path, headers and JSON body is appended to FILE as one JSON
   line, so a test can assert on what a real client sent.
+- `--drafts-always-pay`: speculation's cost gate is pinned open, so which drafts are verified
+  depends on the drafter alone, not on this machine's pass timings (repeatable counts).
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ class Hooks:
     available_memory: int | None = None  # bytes
     script: Path | None = None
     record: Path | None = None
+    drafts_always_pay: bool = False
 
     def argv(self) -> list[str]:
-        out = []
+        out = ["--drafts-always-pay"] if self.drafts_always_pay else []
         for flag, value in (("--fault-marker", self.fault_marker), ("--available-memory", self.available_memory),
                             ("--script", self.script), ("--record", self.record)):
             if value is not None:
@@ -82,6 +85,10 @@ class RequestRecorder:
 
 def install(hooks: Hooks) -> None:
     """Put the hooks in place in this process."""
+    if hooks.drafts_always_pay:
+        from lmserve.serving.speculate import PassCosts
+
+        PassCosts.pays = lambda self, drafters, drafts: True
     if hooks.available_memory is not None:
         import psutil
 
@@ -121,8 +128,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--available-memory", type=int, default=None)
     parser.add_argument("--script", type=Path, default=None)
     parser.add_argument("--record", type=Path, default=None)
+    parser.add_argument("--drafts-always-pay", action="store_true")
     args = parser.parse_args(ours)
-    install(Hooks(args.fault_marker, args.available_memory, args.script, args.record))
+    install(Hooks(args.fault_marker, args.available_memory, args.script, args.record, args.drafts_always_pay))
     from lmserve.cli import main as lmserve_main
 
     lmserve_main(rest)

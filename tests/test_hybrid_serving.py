@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.families import Fixture
+from tests.hooked_server import Hooks
 from tests.server_util import Server, start_server
 
 MODEL = str(Fixture("qwen35", "Q8_0").path)
@@ -101,6 +102,7 @@ def drafts(server: Server) -> tuple[int, int]:
                  for name in ("lmserve_draft_tokens_total", "lmserve_draft_accepted_tokens_total"))
 
 
+PINNED = Hooks(drafts_always_pay=True)  # which drafts are verified does not depend on pass timings
 SPECULATION = {"ngram": ("--speculate", "ngram"),  # prompt lookup
                "draft": ("--draft", str(Fixture("qwen35", "Q4_K_M").path)),  # a hybrid draft model too
                "off": ("--speculate", "off")}
@@ -115,7 +117,7 @@ def test_speculative_decoding_leaves_replies_and_the_cache_as_plain_decoding(eng
     first = [{"role": "user", "content": "Repeat this:\n" + COPY}]
     replies = {}
     for mode, flags in SPECULATION.items():
-        with start_server(MODEL, "--engine", engine, "--ctx", "2048", *flags) as server:
+        with start_server(MODEL, "--engine", engine, "--ctx", "2048", *flags, hooks=PINNED) as server:
             one = chat(server, first, max_tokens=80, reasoning_effort="none")
             follow = [*first, {"role": "assistant", "content": said(one)[1]}, {"role": "user", "content": "Again."}]
             two = chat(server, follow, max_tokens=40, reasoning_effort="none")
