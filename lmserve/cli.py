@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a small model with the same tokenizer that drafts tokens for the served one to verify")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="reply budget of a request that sets none (default: the rest of the context)")
+    p.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
+                   help="tokens a reply may reason when its request sets no budget (default -1: no budget of "
+                        "its own, at most 3/4 of the reply; 0: reasoning off)")
     p.add_argument("--temp", type=float, default=None, metavar="T",
                    help="temperature of a request that sets none (default: the model's recommended one)")
     p.add_argument("--sse-keepalive", type=float, default=5.0, metavar="SECONDS",
@@ -306,6 +309,8 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"lmserve: --temp {args.temp} is outside 0..2")
     if args.kv_checkpoints < 1:
         raise SystemExit("lmserve: --kv-checkpoints must be at least 1")
+    if args.reasoning_budget < -1:
+        raise SystemExit("lmserve: --reasoning-budget must be -1 (no budget), 0 (off) or a token count")
     if args.prefill_chunk < 0 or args.sse_keepalive <= 0 or (args.max_tokens is not None and args.max_tokens < 1):
         raise SystemExit("lmserve: --prefill-chunk must be 0 or more, --sse-keepalive more than 0, "
                          "--max-tokens at least 1")
@@ -329,7 +334,7 @@ def serve(args: argparse.Namespace) -> None:
                             kv_disk_slots=args.kv_disk_slots, kv_checkpoints=args.kv_checkpoints,
                             prefill_chunk=args.prefill_chunk,
                             keepalive=args.sse_keepalive, max_tokens=args.max_tokens, speculate=speculate,
-                            temperature=args.temp)
+                            temperature=args.temp, reasoning_budget=args.reasoning_budget)
     try:
         runtime = Runtime(model, engine, options, draft_engine)
     except OSError as exc:

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmserve.chat import reasoning
 from lmserve.chat.planner import ReplyPlanner
 from lmserve.chat.prompt import PromptBuilder
+from lmserve.chat.reasoning import UNLIMITED
 from lmserve.chat.reply import ReplyPlan
 from lmserve.core.errors import RequestError
 from lmserve.core.types import ChatRequest, OutputFormat, SamplingParams
@@ -49,6 +51,7 @@ class ServerOptions:
     speculate: str = DEFAULT_MODE  # "ngram" (prompt lookup), "draft" (a draft model's engine is given) or "off"
     max_tokens: int | None = None  # reply budget of a request that sets none (None: the rest of the context)
     temperature: float | None = None  # --temp: default temperature over the model's recommended one
+    reasoning_budget: int = UNLIMITED  # tokens a reply may reason when its request sets no budget (0: off)
     keepalive: float = 5.0  # seconds of silence after which a stream writes a keep-alive frame
     started_at: float = field(default_factory=time.time)
 
@@ -107,9 +110,10 @@ class Runtime:
         return self.scheduler.stopping
 
     def count_prompt_tokens(self, request: ChatRequest) -> int:
-        return len(self.prompts.build(request))
+        return len(self.prompts.build(reasoning.settle(request, self.options.reasoning_budget)))
 
     def start_chat(self, request: ChatRequest, observer: Observer | None = None) -> RequestHandle:
+        request = reasoning.settle(request, self.options.reasoning_budget)
         prompt = self.prompts.render(request)
         plan = self.replies.plan(request, prompt)  # compiles grammars: a bad one is a 400 here
         ids = self.prompts.encode(prompt)

@@ -28,6 +28,7 @@ class _Held:
     prompt: int = 0  # positions held when it was last prefilled: the prompt of the reply under way
     decodes: int = 0  # positions decoded since then (a verify pass decodes several; truncating drops them)
     reply: list[int] = field(default_factory=list)  # ScriptedEngine: the ids this reply must spell
+    resync: tuple[list[int], int] | None = None  # ScriptedEngine: the rule's resync ids, where they end in `reply`
 
     def prompt_ids(self) -> list[int]:
         return [t for t in self.tokens[:self.prompt] if t is not None]
@@ -177,10 +178,15 @@ class FaultyEngine(TrackingEngine[C]):
 
 @dataclass(frozen=True)
 class Rule:
-    """Reply `reply` (raw model text: tool-call markup included) to a prompt containing `after`."""
+    """Reply `reply` (raw model text: tool-call markup included) to a prompt containing `after`.
+    With `resync`, the reply is `reply`, `resync`, `then`: once the tokens of `resync` have been
+    fed (the server forced them: a think block closed over budget), the script goes on with `then`
+    wherever the reply was, so a model that would reason forever still answers after the close."""
 
     after: str
     reply: str
+    resync: str = ""
+    then: str = ""
 
 
 @dataclass(frozen=True)
@@ -192,12 +198,12 @@ class Script:
     rules: tuple[Rule, ...]
     default: str = "OK."
 
-    def reply_for(self, prompt: str) -> str:
-        best, where = self.default, -1
+    def rule_for(self, prompt: str) -> Rule:
+        best, where = Rule("", self.default), -1
         for rule in self.rules:
             at = prompt.rfind(rule.after)
             if at > where:
-                best, where = rule.reply, at
+                best, where = rule, at
         return best
 
     def dump(self, path: Path) -> None:
@@ -222,7 +228,14 @@ class ScriptedEngine(TrackingEngine[C]):
     def _forced(self, held: _Held, at: int | None = None) -> int:
         """The scripted token of decode number `at` (default: the latest decode step's)."""
         reply = held.reply or [self._end]
-        return reply[min(held.decodes if at is None else at, len(reply) - 1)]
+        at = held.decodes if at is None else at
+        if held.resync is not None:
+            marker, resume = held.resync
+            fed = held.tokens[held.prompt:held.prompt + at]
+            ends = [i + len(marker) for i in range(len(fed) - len(marker) + 1) if fed[i:i + len(marker)] == marker]
+            if ends:
+                at = resume + at - ends[-1]
+        return reply[min(at, len(reply) - 1)]
 
     def _only(self, row: np.ndarray, token: int) -> np.ndarray:
         out = np.full_like(row, -1e9)
@@ -230,8 +243,10 @@ class ScriptedEngine(TrackingEngine[C]):
         return out
 
     def after_prefill(self, held: _Held, logits: np.ndarray) -> np.ndarray:
-        text = self.script.reply_for(self.tokenizer.decode(held.prompt_ids()))
-        held.reply = [*self.tokenizer.encode(text, add_special=False), self._end]
+        rule = self.script.rule_for(self.tokenizer.decode(held.prompt_ids()))
+        parts = [self.tokenizer.encode(text, add_special=False) for text in (rule.reply, rule.resync, rule.then)]
+        held.reply = [*parts[0], *parts[1], *parts[2], self._end]
+        held.resync = (parts[1], len(parts[0]) + len(parts[1])) if rule.resync else None
         token = self._forced(held)
         if logits.ndim == 2:
             logits = logits.copy()

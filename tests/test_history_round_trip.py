@@ -352,10 +352,11 @@ def test_anthropic_thinking_sets_gpt_oss_reasoning(tokenizer: Tokenizer, thinkin
 
 
 def test_effort_under_a_grammar_and_from_template_kwargs(tokenizer: Tokenizer) -> None:
-    """A grammar governs the reply from its first token: low, as other families render thinking
-    off. An explicit chat_template_kwargs value wins."""
+    """Under a grammar the client's effort is used as sent (its reasoning budget keeps room for the
+    grammar), and low when it gives none. An explicit chat_template_kwargs value wins."""
     constrained = {"messages": USER, "reasoning_effort": "high", "response_format": {"type": "json_object"}}
-    assert effort_shown(tokenizer, "chat", constrained) == "low"
+    assert effort_shown(tokenizer, "chat", constrained) == "high"
+    assert effort_shown(tokenizer, "chat", {**constrained, "reasoning_effort": None}) == "low"
     explicit = {"messages": USER, "reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}
     assert effort_shown(tokenizer, "chat", explicit) == "high"
 

@@ -12,14 +12,15 @@ from lmserve.chat.grammar import ForcedTokens, GrammarConstraint
 from lmserve.chat.planner import ReplyPlanner
 from lmserve.chat.reply import ReplyDecoder, ReplyPlan
 from lmserve.chat.reply_router import GEMMA4_THINK, CallRouting
-from lmserve.chat.tool_format import HERMES, HERMES_END, HERMES_START, ToolFormat
+from lmserve.chat.tool_format import HERMES, HERMES_END, HERMES_LEAD, HERMES_START, ToolFormat
 from lmserve.core.events import Event, ReasoningDelta, TextDelta, TokenLogprob, ToolCallEvent
 from lmserve.core.types import ChatRequest, Message, OutputFormat, Tool
 from lmserve.model.tokenizer import Tokenizer
 
 WEATHER = Tool("get_weather", "Weather for a city",
                {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, strict=True)
-HERMES_FORMAT = ToolFormat(HERMES, HERMES_START, HERMES_END, lambda body, tools: json.loads(body))
+HERMES_FORMAT = ToolFormat(HERMES, HERMES_START, HERMES_END, lambda body, tools: json.loads(body),
+                           lead=HERMES_LEAD)
 CALLS = CallRouting(HERMES_FORMAT, [WEATHER.to_template()], frozenset({WEATHER.name}))
 
 
@@ -112,6 +113,65 @@ def test_unclosed_call_and_false_marker_prefix_are_text() -> None:
     assert [e.text for e in events] == ["a ", "<toy"]  # "<to" held back until it proved harmless
 
 
+BARE = '{"name": "get_weather", "arguments": {"city": "%s"}}'  # a hermes call without its markers
+
+
+def calls_of(events: list[Event]) -> list[tuple[str, dict]]:
+    return [(e.name, json.loads(e.arguments)) for e in events if isinstance(e, ToolCallEvent)]
+
+
+def test_bare_hermes_call_where_the_answer_starts() -> None:
+    """Streamed a character at a time (the lead held back until it shows) and in one piece."""
+    reply = f"\n{BARE % 'Paris'}\n"
+    for pieces in (list(reply), [reply]):
+        events = run(pieces, ReplyPlan(calls=CALLS))
+        assert calls_of(events) == [("get_weather", {"city": "Paris"})] and not texts(events, TextDelta)
+
+
+def test_bare_and_marked_hermes_calls_in_a_row() -> None:
+    marked = f"{HERMES_START}\n{BARE % 'B'}\n{HERMES_END}"
+    reply = f"{BARE % 'A'}\n{marked}\n{BARE % 'C'}{BARE % 'D'}\nDone."
+    for pieces in (list(reply), [reply]):
+        events = run(pieces, ReplyPlan(calls=CALLS))
+        assert [args["city"] for _, args in calls_of(events)] == ["A", "B", "C", "D"]
+        assert texts(events, TextDelta) == "Done."
+
+
+def test_bare_hermes_call_after_a_think_block() -> None:
+    reply = f"<think>\nweather, so a call\n</think>\n\n{BARE % 'Oslo'}"
+    events = run(list(reply), ReplyPlan(think=True, calls=CALLS))
+    assert texts(events, ReasoningDelta) == "weather, so a call\n" and not texts(events, TextDelta)
+    assert calls_of(events) == [("get_weather", {"city": "Oslo"})]
+
+
+def test_bare_json_later_in_the_answer_is_text() -> None:
+    prose = f"The call would be {BARE % 'Rome'}, and a marked one follows.\n"
+    events = run(list(prose + f"{HERMES_START}{BARE % 'Bern'}{HERMES_END}"), ReplyPlan(calls=CALLS))
+    assert texts(events, TextDelta) == prose
+    assert calls_of(events) == [("get_weather", {"city": "Bern"})]
+
+
+@pytest.mark.parametrize("body", [
+    '{"name": "rm_rf", "arguments": {}}', '{"name": "get_weather"}', '{"a": 1}',
+    '{"name": "get_weather", "parameters": {"city": "Paris"}}', '{"name": "get_weather", "arguments": [1]}',
+    '{"name', '{"name": "get_weather", '])
+def test_bare_json_that_is_no_call_passes_through_byte_exact(body: str) -> None:
+    """JSON naming no offered tool, not shaped as a call, or cut short: exactly what was written,
+    the whitespace before and after it included (only a call swallows them)."""
+    whole = f" \n{body}\n\nSo that is it. {BARE % 'Paris'}"
+    for pieces in (list(whole), [whole], [whole[:3], whole[3:9], whole[9:]]):
+        events = run(pieces, ReplyPlan(calls=CALLS))
+        assert texts(events, TextDelta) == whole and not calls_of(events)
+    events = run(list(f"\n{body}"), ReplyPlan(calls=CALLS))  # the reply ends there
+    assert texts(events, TextDelta) == f"\n{body}" and not calls_of(events)
+
+
+def test_text_after_a_malformed_marked_call_keeps_its_whitespace() -> None:
+    whole = f"{HERMES_START}\nnot json\n{HERMES_END}\n\nMore."
+    events = run(list(whole), ReplyPlan(calls=CALLS))
+    assert texts(events, TextDelta) == whole
+
+
 def test_logprobs_stay_with_answer_text() -> None:
     table = [b"<think>", b"r", b"</think>", b"A"]
     decoder = ReplyDecoder(ReplyPlan(think=True), table.__getitem__, [], 100)
@@ -154,6 +214,22 @@ def test_call_grammar_takes_over_once_the_opener_is_written(planner: ReplyPlanne
     events += decoder.finish()
     assert texts(events, TextDelta) == "Hi "
     assert [e.name for e in events if isinstance(e, ToolCallEvent)] == ["get_weather"]
+
+
+def test_call_grammar_guards_a_bare_hermes_call_too(planner: ReplyPlanner, qwen3: Tokenizer) -> None:
+    """A call written without its markers is held to the same grammar once its lead shows: only
+    offered names, JSON arguments, and the reply free again after it."""
+    plan = planner.plan(ChatRequest([Message("user", "x")], tools=[WEATHER]), "")
+    decoder = ReplyDecoder(plan, qwen3.token_bytes, [], 200)
+    rng = np.random.default_rng(0)
+    events = drive(decoder, qwen3, '{"name": "get_', rng)
+    assert isinstance(decoder.constraint, GrammarConstraint)
+    allowed = np.flatnonzero(np.isfinite(decoder.mask(np.zeros(qwen3.vocab_size, dtype=np.float32))))
+    assert [qwen3.piece(i) for i in allowed] == ["w"]
+    events += drive(decoder, qwen3, 'weather", "arguments": {"city": "Oslo"}}', rng)
+    assert decoder.constraint is None
+    events += decoder.finish()
+    assert [(e.name, e.arguments) for e in events if isinstance(e, ToolCallEvent)] == [("get_weather", '{"city": "Oslo"}')]
 
 
 def test_call_grammar_rejects_unknown_names_and_bad_arguments(planner: ReplyPlanner, qwen3: Tokenizer) -> None:

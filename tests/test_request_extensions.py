@@ -1,5 +1,6 @@
 """vLLM / llama.cpp request extensions: `chat_template_kwargs` reaches the chat template (Chat
-Completions and Responses), `guided_grammar` constrains like `grammar`, and /v1/completions reads
+Completions and Responses), `guided_grammar` constrains like `grammar`, `guided_choice` and
+`response_format` of type `regex` / `grammar` constrain chat replies, and /v1/completions reads
 the same grammar fields as chat into an OutputFormat that ReplyPlanner.plan_completion compiles."""
 
 from __future__ import annotations
@@ -137,6 +138,47 @@ def test_guided_grammar_constrains_smollm2(smollm2_server: Server) -> None:
     assert choice["message"]["content"] in ("yes", "no") and choice["finish_reason"] == "stop", choice
     r = httpx.post(url, json={**body, "guided_grammar": "root ::= ("}, timeout=300)
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_grammar", r.text
+
+
+CHAT_FORMATS = [
+    ({"guided_choice": ["yes", "no"]}, OutputFormat("choice", ["yes", "no"], "guided_choice")),
+    ({"response_format": {"type": "regex", "regex": "[0-9]+"}}, OutputFormat("regex", "[0-9]+", "response_format.regex")),
+    ({"response_format": {"type": "grammar", "grammar": 'root ::= "a"'}},
+     OutputFormat("gbnf", 'root ::= "a"', "response_format.grammar")),
+]
+
+
+@pytest.mark.parametrize("extra,expected", CHAT_FORMATS, ids=["guided_choice", "regex", "grammar"])
+def test_chat_reads_choice_regex_and_grammar_formats(extra: dict, expected: OutputFormat) -> None:
+    request, _ = parse_chat({"messages": USER, **extra}, 1000)
+    assert request.output_format == expected
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"response_format": {"type": "regex"}}, "response_format.regex"),
+    ({"response_format": {"type": "grammar", "grammar": ""}}, "response_format.grammar"),
+    ({"response_format": {"type": "regex", "regex": "a"}, "guided_choice": ["a"]}, "guided_choice"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a", ""]}, "guided_choice[1]"),
+    ({"guided_choice": ["a"], "regex": "a"}, "guided_choice"),
+])
+def test_chat_format_fields_that_cannot_be_honoured_are_400s(extra: dict, param: str) -> None:
+    rejects(lambda: parse_chat({"messages": USER, **extra}, 1000), param)
+
+
+@pytest.mark.parametrize("extra,check", [
+    ({"guided_choice": ["red", "green", "blue"]}, lambda text: text in ("red", "green", "blue")),
+    ({"response_format": {"type": "regex", "regex": "[0-9]{3}-[a-z]{2}"}},
+     lambda text: len(text) == 6 and text[:3].isdigit() and text[3] == "-" and text[4:].isalpha()),
+    ({"response_format": {"type": "grammar", "grammar": 'root ::= "up" | "down"'}}, lambda text: text in ("up", "down")),
+], ids=["guided_choice", "regex", "grammar"])
+def test_chat_honours_choice_regex_and_grammar_end_to_end(smollm2_server: Server, extra: dict, check) -> None:
+    body = {"messages": [{"role": "user", "content": "Pick one."}], "max_tokens": 16, "temperature": 1.0, "seed": 3}
+    r = httpx.post(smollm2_server.base_url + "/v1/chat/completions", json={**body, **extra}, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert check(choice["message"]["content"]), choice
+    assert choice["finish_reason"] == "stop"
 
 
 # -- /v1/completions grammar fields -----------------------------------------------------------------

@@ -188,6 +188,17 @@ def test_hermes_calls(family: str) -> None:
     passes_through(model(family), '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>')
 
 
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3"])
+def test_hermes_bare_calls_where_a_call_may_start(family: str) -> None:
+    """Qwen2.5-Coder's habit: a call without its markers, where the answer starts or a call just
+    ended; a marked call after it is still guarded. JSON that is no call stays text."""
+    bare = '{"name": "get_weather", "arguments": {"city": "Zürich", "unit": "celsius", "days": 3}}\n'
+    check_every_split(model(family), bare + HERMES_REPLY[len("Let me check.\n"):],
+                      [("call", "get_weather", ZURICH), *HERMES_CALLS[1:]])
+    passes_through(model(family), '{"name": "get_weather", "description": "Weather for a city"}\nThat one.')
+    passes_through(model(family), '\n{"name": "rm_rf", "arguments": {}}')
+
+
 def test_qwen3_thinks_then_calls(planner: ReplyPlanner, qwen3: Tokenizer) -> None:
     m = Model(qwen3, planner)
     check_every_split(m, "<think>\nThe user wants weather.\n</think>\n\n" + HERMES_REPLY,
@@ -355,13 +366,13 @@ def test_qwen35_thinks_inside_the_opened_block_then_calls() -> None:
 
 
 @pytest.mark.parametrize("choice", CHOICES)
-def test_qwen35_forced_call_after_its_empty_think_block(choice: ToolChoice) -> None:
-    """A grammar governs the reply: the prompt has thinking off (the template's empty think block)
-    and the grammar starts at the call."""
+def test_qwen35_forced_call_after_its_think_block(choice: ToolChoice) -> None:
+    """Thinking on, a forced call keeps the think block Qwen3.5's generation prompt opens: the
+    reply reasons first and the call grammar governs from the block's close on."""
     m = model(*QWEN35)
     prompt = m.prompt(reasoning=True, tool_choice=choice)
-    assert prompt.endswith("<think>\n\n</think>\n\n") and not m.plan(prompt, tool_choice=choice).in_think
-    check_forced(m, choice, prompt)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n") and m.plan(prompt, tool_choice=choice).in_think
+    check_forced(m, choice, prompt, reasoning=True)
 
 
 @pytest.mark.parametrize("family_template", [QWEN35, ("qwen3moe",)], ids=["qwen3.5", "qwen3-coder"])

@@ -24,6 +24,8 @@ class Reply:
     completion_tokens: int = 0
     cached_tokens: int = 0
     calls: list[tuple[str, str]] = field(default_factory=list)  # (name, JSON arguments)
+    reasoning: str = ""
+    reasoning_tokens: int | None = None  # where the dialect reports them (not Anthropic's)
     error: str | None = None  # an in-band error (stream error event, failed response)
 
 
@@ -65,6 +67,10 @@ def _openai_usage(reply: Reply, usage: dict[str, Any], prompt_key: str, completi
     prompt, completion = usage[prompt_key], usage[completion_key]
     assert usage["total_tokens"] == prompt + completion, usage
     _usage(reply, prompt, completion, usage[details_key]["cached_tokens"])
+    details = usage.get(completion_key.replace("tokens", "tokens_details"))
+    if details is not None:
+        reply.reasoning_tokens = details["reasoning_tokens"]
+        assert 0 <= reply.reasoning_tokens <= completion, usage
 
 
 def _anthropic_usage(reply: Reply, usage: dict[str, Any]) -> None:
@@ -81,6 +87,7 @@ def check_body(dialect: str, body: dict[str, Any]) -> Reply:
         choice = body["choices"][0]
         message = choice["message"]
         reply.text = message["content"] or ""
+        reply.reasoning = message.get("reasoning_content") or ""
         reply.finish = choice["finish_reason"]
         reply.calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
         _openai_usage(reply, body["usage"], "prompt_tokens", "completion_tokens", "prompt_tokens_details")
@@ -99,6 +106,8 @@ def check_body(dialect: str, body: dict[str, Any]) -> Reply:
                 reply.text += "".join(p["text"] for p in item["content"] if p["type"] == "output_text")
             elif item["type"] == "function_call":
                 reply.calls.append((item["name"], item["arguments"]))
+            elif item["type"] == "reasoning":
+                reply.reasoning += "".join(p["text"] for p in item["content"])
         _openai_usage(reply, body["usage"], "input_tokens", "output_tokens", "input_tokens_details")
     else:
         assert body["type"] == "message" and body["role"] == "assistant", body
@@ -106,6 +115,8 @@ def check_body(dialect: str, body: dict[str, Any]) -> Reply:
         for block in body["content"]:
             if block["type"] == "text":
                 reply.text += block["text"]
+            elif block["type"] == "thinking":
+                reply.reasoning += block["thinking"]
             elif block["type"] == "tool_use":
                 assert isinstance(block["input"], dict), block
                 reply.calls.append((block["name"], json.dumps(block["input"])))
@@ -179,6 +190,7 @@ def _openai_stream(dialect: str, frames: list[tuple[str | None, str]]) -> Reply:
         if index == 0 and dialect == "chat":
             delta = choice["delta"]
             reply.text += delta.get("content") or ""
+            reply.reasoning += delta.get("reasoning_content") or ""
             reply.calls += [(c["function"]["name"], c["function"]["arguments"]) for c in delta.get("tool_calls", [])]
         elif index == 0:
             reply.text += choice["text"]
@@ -242,6 +254,8 @@ def _messages_stream(frames: list[tuple[str | None, str]]) -> Reply:
             delta = event["delta"]
             if delta["type"] == "text_delta":
                 reply.text += delta["text"]
+            elif delta["type"] == "thinking_delta":
+                reply.reasoning += delta["thinking"]
             elif delta["type"] == "input_json_delta":
                 blocks[index]["arguments"] = blocks[index].get("arguments", "") + delta["partial_json"]
         elif kind == "content_block_stop":

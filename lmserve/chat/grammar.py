@@ -75,10 +75,12 @@ class GrammarConstraint:
 
 
 class ForcedTokens:
-    """A fixed token sequence the model must emit next (closing a think block over budget)."""
+    """A fixed token sequence the model must emit next (closing a think block over budget). A
+    constraint `under` it (the grammar governing the reply) consumes the tokens too."""
 
-    def __init__(self, ids: list[int]) -> None:
+    def __init__(self, ids: list[int], under: Constraint | None = None) -> None:
         self._ids = list(ids)
+        self._under = under
 
     @property
     def finished(self) -> bool:
@@ -92,6 +94,25 @@ class ForcedTokens:
     def consume(self, token: int) -> None:
         if self._ids and token == self._ids[0]:
             del self._ids[0]
+        if self._under is not None:
+            self._under.consume(token)
+
+
+class Excluding:
+    """Every token but `ids` (end-of-turn, while a grammar that must still come waits)."""
+
+    finished = False
+
+    def __init__(self, ids: frozenset[int]) -> None:
+        self._ids = sorted(ids)
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        out = logits.copy()
+        out[self._ids] = -np.inf
+        return out
+
+    def consume(self, token: int) -> None:
+        pass
 
 
 class _Vocabulary:

@@ -39,6 +39,8 @@ def output_grammar(fmt: OutputFormat) -> str:
         if fmt.kind in ("json_schema", "json_object"):
             schema = fmt.source if fmt.kind == "json_schema" else ANY_OBJECT
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        if fmt.kind == "choice":  # exactly one of the strings
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(_lit(c) for c in fmt.source))
         return llguidance.grammar_from("gbnf" if fmt.kind == "gbnf" else fmt.kind, fmt.source)
     except ValueError as exc:
         raise GrammarError(str(exc)) from None
@@ -75,11 +77,13 @@ Marker = Callable[[str], str]
 NAME_KEY, ARGUMENTS_KEY, PARAMETERS_KEY = '"name": ', '"arguments": ', '"parameters": '
 
 
-def _hermes(tools: list[Tool], marker: Marker, fmt: ToolFormat) -> list[str]:
-    """`<tool_call>\n{"name": N, "arguments": A}\n</tool_call>`"""
+def _hermes(tools: list[Tool], marker: Marker, fmt: ToolFormat, forced: bool) -> list[str]:
+    """`<tool_call>\n{"name": N, "arguments": A}\n</tool_call>`; under auto also the bare object
+    without the markers, which the router reads as a call where one may start."""
     bodies = [f"{_lit(json.dumps(t.name) + ', ' + ARGUMENTS_KEY)} {_arguments(t)}" for t in tools]
-    return [f"start: {marker(fmt.start)} {_lit(chr(10) + '{' + NAME_KEY)} call {_lit('}' + chr(10))} "
-            f"{marker(fmt.end)}", *_alternatives(bodies)]
+    marked = f"{marker(fmt.start)} {_lit(chr(10) + '{' + NAME_KEY)} call {_lit('}' + chr(10))} {marker(fmt.end)}"
+    start = marked if forced else f"{marked} | {_lit('{' + NAME_KEY)} call {_lit('}')}"
+    return [f"start: {start}", *_alternatives(bodies)]
 
 
 # Qwen3-Coder: <tool_call>\n<function=N>\n<parameter=P>\nvalue\n</parameter>\n...</function>\n</tool_call>
@@ -260,19 +264,16 @@ def _gemma4(tools: list[Tool], marker: Marker, fmt: ToolFormat) -> list[str]:
             *rules, *GEMMA4_ANY]
 
 
-HARMONY_FORCED_THINKING = 1024  # tokens of analysis a forced call may start with
-
-
 def _harmony(tools: list[Tool], marker: Marker, forced: bool) -> list[str]:
     """`<|channel|>commentary to=functions.N <|constrain|>json<|message|>{...}<|call|>`. Forced: the
-    whole reply, an optional analysis message first (gpt-oss always reasons; the prompt asks for
-    low effort); under auto: from `to=` on, in either header order the model writes."""
+    whole reply, an optional analysis message first (gpt-oss always reasons; the reasoning budget
+    closes it in time for the call); under auto: from `to=` on, in either header order the model writes."""
     channel, message, constrain = marker(CHANNEL), marker(MESSAGE), marker(CONSTRAIN)
     bodies = [f"{_lit(t.name)} head {message} {_arguments(t)} {marker(CALL)}" for t in tools]
     if forced:
         return [f"start: analysis? {channel} {_lit('commentary ' + RECIPIENT + FUNCTIONS)} call",
                 f'analysis: {channel} "analysis" {message} thought {marker(END)} {marker(START)} "assistant"',
-                f"thought[max_tokens={HARMONY_FORCED_THINKING}]: /(?s:.*)/",
+                "thought: /(?s:.*)/",
                 f'head: " " {constrain} "json"', *_alternatives(bodies)]
     return [f"start: {_lit(RECIPIENT + FUNCTIONS)} call",
             f'head: " "? ({channel} "commentary" " "?)? {constrain}? "json"?', *_alternatives(bodies)]
@@ -284,7 +285,7 @@ def call_grammar(fmt: ToolFormat, tools: list[Tool], marker: Marker, forced: boo
     whole reply; else it takes over once the router sees a call open, from the opener on (harmony:
     from `to=`). `marker` spells a marker in Lark (a special token, or a quoted literal)."""
     if fmt.family == HERMES:
-        rules = _hermes(tools, marker, fmt)
+        rules = _hermes(tools, marker, fmt, forced)
     elif fmt.family == QWEN3_CODER:
         rules = _qwen3_coder(tools, marker, fmt)
     elif fmt.family == MISTRAL:

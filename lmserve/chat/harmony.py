@@ -30,6 +30,7 @@ FUNCTIONS = "functions."
 GENERATION_PROMPT = START + "assistant"
 HEADER_LIMIT = 256  # characters: a "header" longer than this without <|message|> is not one
 CLOSE_ANALYSIS = END + GENERATION_PROMPT  # forced when thinking has used its budget
+ANALYSIS_OPEN = CHANNEL + "analysis" + MESSAGE  # how reasoning given back inline is opened
 
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 _RECIPIENT = re.compile(re.escape(RECIPIENT) + r"([^\s<]+)")

@@ -67,7 +67,8 @@ class ReplyPlanner:
         names no offered tool. A forced tool_choice is a grammar over the whole reply in the
         family's own call format; under auto the same call grammar guards each call once it opens."""
         plan = ReplyPlan(think=self.think, think_markers=self.think_markers, thinking_budget=request.thinking_budget,
-                         close_think=self._close_think)
+                         close_think=self._close_think, single_call=request.single_call,
+                         end_ids=frozenset(self.tokenizer.eog_ids))
         fmt_request = request.output_format
         if fmt_request is not None:
             plan.grammar = self._compile(lambda: output_grammar(fmt_request), fmt_request.param)
@@ -87,8 +88,12 @@ class ReplyPlanner:
             plan.call_grammar = self._call_grammar(fmt, tools, forced=False)
         if self.harmony:  # where the reply starts: a header, or inside a message the prompt opened
             plan.harmony = harmony.start_state(prompt, governed=plan.grammar is not None and not choice.forced)
-        # Qwen3 / 3.5 with thinking on: the generation prompt opened `<think>`, the reply starts inside it
-        plan.in_think = self.think and plan.grammar is None and prompt.rstrip().endswith(self.think_markers.open)
+        # Qwen3.5 with thinking on: the generation prompt opened `<think>`, the reply starts inside it
+        # (and a grammar governs from its close on)
+        plan.in_think = self.think and prompt.rstrip().endswith(self.think_markers.open)
+        if request.reasoning_inline:
+            plan.inline_reasoning = ((harmony.ANALYSIS_OPEN, harmony.END) if self.harmony
+                                     else (self.think_markers.open, self.think_markers.close))
         return plan
 
     def plan_completion(self, output_format: OutputFormat | None) -> ReplyPlan:

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from lmserve.chat import gemma4, hermes
+from lmserve.chat.reply_router import THINK
 from lmserve.chat.tool_format import GEMMA4, family_of
 from lmserve.core.errors import RequestError
 from lmserve.core.types import ChatRequest, Message, Tool
@@ -22,6 +23,10 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.template = template
         self._gemma4 = family_of(template) == GEMMA4
+        # With thinking on, the generation prompt opens the think block (Qwen3.5 / 3.6; Qwen3 leaves
+        # opening it to the model): a grammar can then govern from the block's close on.
+        self._opens_thinking = template.supports_thinking and \
+            self._generation_prompt({"enable_thinking": True}).rstrip().endswith(THINK.open)
 
     def render(self, request: ChatRequest) -> str:
         """The prompt text. A template without tool support gets tools and tool history folded into
@@ -29,8 +34,10 @@ class PromptBuilder:
         (`fit_calls`); one that refuses a system turn gets it folded into the first user turn, one
         that takes it only first gets later ones as user turns, one that wants alternating roles
         gets consecutive user turns joined. Thinking follows the client where it says (else the
-        template's default) and is off while a grammar governs the reply; gpt-oss's
-        `reasoning_effort` follows the client's effort, "low" under a grammar. A template that
+        template's default); while a grammar governs the reply it is off, unless the template's
+        generation prompt opens the think block itself (Qwen3.5), where the reply thinks first and
+        the grammar takes over at the close; gpt-oss's `reasoning_effort` follows the client's
+        effort, "low" under a grammar when the client gives none. A template that
         reads tool results from the call turn (Gemma 4's older one) gets them folded there; where
         Gemma 4's template leaves the model's turn unopened, it is opened."""
         template = self.template
@@ -62,9 +69,12 @@ class PromptBuilder:
     def _template_kwargs(self, request: ChatRequest) -> dict[str, Any]:
         """The template variables of a request: its own, then thinking and effort as asked."""
         kwargs = dict(request.template_kwargs)
-        if self.template.supports_thinking and (request.constrained or request.reasoning is not None):
-            kwargs.setdefault("enable_thinking", bool(request.reasoning) and not request.constrained)
-        effort = "low" if request.constrained else request.reasoning_effort
+        thinking = request.reasoning
+        if request.constrained and not self._opens_thinking:  # the grammar governs from the first token
+            thinking = False
+        if self.template.supports_thinking and thinking is not None:
+            kwargs.setdefault("enable_thinking", thinking)
+        effort = request.reasoning_effort or ("low" if request.constrained else None)
         if self.template.supports_effort and effort is not None:
             kwargs.setdefault("reasoning_effort", effort)
         return kwargs

@@ -4,9 +4,11 @@ Runs after TokenStream (UTF-8 safety) and before StopFilter (stop strings, on an
 `<think>...</think>` (Gemma 4: `<|channel>thought...<channel|>`, anywhere in the reply) becomes
 ReasoningDelta; with tools offered, each call in the model family's own format (`chat/tool_format.py`)
 becomes ToolCallEvent once it closes: at its end marker, or where its JSON ends for the families
-without one (Mistral, Llama). Text that could still be the start of a
-marker is held back, as TokenStream holds back stop strings, so a marker split across tokens never
-leaks into the answer. A call that does not parse passes through as text, markers and all.
+without one (Mistral, Llama) and for a call opened by the format's lead (Llama's `{`, hermes's bare
+`{"name"`), which opens one only where the answer starts or a call just ended. Text that could
+still be the start of a marker (or of the lead, where one may start) is held back, as TokenStream
+holds back stop strings, so a marker split across tokens never leaks into the answer. A call that
+does not parse passes through as text, markers (and the gap before a lead) and all.
 gpt-oss's harmony channels have their own router (`chat/harmony.py`) with the same interface.
 """
 
@@ -37,7 +39,7 @@ class ThinkMarkers:
 
 THINK = ThinkMarkers("<think>", "</think>", "\n</think>\n\n")
 GEMMA4_THINK = ThinkMarkers(gemma4.THOUGHT_OPEN, gemma4.CHANNEL_CLOSE, "\n" + gemma4.CHANNEL_CLOSE, anywhere=True)
-LEAD_GAP = " \t\r\n;"  # what may sit between two Llama calls (or before the first)
+LEAD_GAP = " \t\r\n;"  # what may sit before a call opened by its lead
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,8 @@ class CallRouting:
     tools: list[dict[str, Any]]  # template-shaped, as the parsers take them
     names: frozenset[str]
 
-    def parse(self, body: str) -> list[ParsedCall]:
-        return self.format.parse(body, self.tools, self.names)
+    def parse(self, body: str, bare: bool = False) -> list[ParsedCall]:
+        return self.format.parse(body, self.tools, self.names, bare)
 
 
 def partial_suffix(text: str, marker: str) -> int:
@@ -133,7 +135,8 @@ class ReplyRouter(Router):
     markers: ThinkMarkers = THINK
     _skip_space: bool = field(init=False, default=False)  # drop whitespace after a closed block
     _lead: bool = field(init=False, default=True)  # where the answer starts or a call just ended
-    _opener: str = field(init=False, default="")  # the open call's opener, as written
+    _opener: str = field(init=False, default="")  # the open call's opener, as written ("": its lead)
+    _gap: str = field(init=False, default="")  # what was skipped before a lead, text again if no call
     _scan: CallScanner | None = field(init=False, default=None)
     _watch: tuple[str, ...] = field(init=False, default=())  # the markers looked for in answer text
 
@@ -153,7 +156,7 @@ class ReplyRouter(Router):
         if self._state == "think":
             self._reasoning(out, self._buf)
         elif self._state == "call":
-            self._text(out, self._opener + self._buf)
+            self._text(out, self._gap + self._opener + self._buf)
         else:
             self._text(out, self._buf)
 
@@ -203,10 +206,10 @@ class ReplyRouter(Router):
         if fmt is not None and fmt.lead and self._lead:
             rest = self._buf.lstrip(LEAD_GAP)
             if rest.startswith(fmt.lead):  # a call where one may start: the gap before it is dropped
-                self._open("", rest)
+                self._open("", rest, self._buf[:len(self._buf) - len(rest)])
                 return True
-            if not rest and not final:
-                return False  # only a gap so far: hold it until something shows
+            if not final and fmt.lead.startswith(rest):
+                return False  # a gap, or a gap and the start of the lead: hold it until it shows
             self._lead = False
         found = [(at, m) for m in self._watch if (at := self._buf.find(m)) != -1]
         if not found:
@@ -225,10 +228,10 @@ class ReplyRouter(Router):
             self._open(marker, rest)
         return True
 
-    def _open(self, opener: str, body: str) -> None:
+    def _open(self, opener: str, body: str, gap: str = "") -> None:
         assert self.calls is not None
-        self._opener, self._buf, self._state = opener, body, "call"
-        self._scan = self.calls.format.scanner()
+        self._opener, self._gap, self._buf, self._state = opener, gap, body, "call"
+        self._scan = self.calls.format.scanner(led=not opener)
         self.opened += 1
 
     def _in_call(self, out: list[Event]) -> bool:
@@ -237,16 +240,16 @@ class ReplyRouter(Router):
         if end is None:
             return False
         written, self._buf = self._buf[:end], self._buf[end:]
-        marker = self.calls.format.end
+        marker = self.calls.format.end if self._opener else ""  # a call opened by its lead has none
         body = written[:len(written) - len(marker)] if marker else written
-        self._state, self._skip_space, self._scan = "text", True, None
+        self._state, self._scan = "text", None
         try:
-            calls = self.calls.parse(body)
-        except ValueError:
-            self._text(out, self._opener + written)  # malformed: the client sees what was written
+            calls = self.calls.parse(body, bare=not self._opener)
+        except ValueError:  # malformed: the client sees what was written, the gap before it too
+            self._text(out, self._gap + self._opener + written)
             return True
         out.extend(call_events(calls))
-        self._logprobs, self._lead = [], True
+        self._logprobs, self._lead, self._skip_space = [], True, True
         return True
 
     def _text(self, out: list[Event], text: str) -> None:

@@ -2,13 +2,15 @@
 
 The family comes from markers in the chat template (our own table, in the spirit of mlx-lm's
 template sniffing): hermes `<tool_call>` JSON (Qwen2.5, Qwen3, and every template without tools,
-which gets the hermes section from `chat/hermes.py`), Qwen3-Coder's `<function=...>` XML (also
-Qwen3.5 / 3.6's), Mistral's `[TOOL_CALLS]name[ARGS]{...}`, Llama 3.x's bare `{"name": ...,
-"parameters": ...}` JSON, Gemma 4's `<|tool_call>call:name{...}<tool_call|>` notation
-(`chat/gemma4.py`) and gpt-oss's harmony channels (routed by `chat/harmony.py`). Bodies are parsed
-with `mlx_lm.tool_parsers` where it has the format right (hermes, Qwen3-Coder, Mistral, and the other
-families it knows, parse-only); Llama, Gemma 4 and harmony parsing is ours. Importing mlx_lm pulls in
-transformers (about a second), so it happens on the first request that offers tools, not at startup.
+which gets the hermes section from `chat/hermes.py`; a bare `{"name": ..., "arguments": ...}` where
+the answer starts or a call just ended is a call too, as Qwen2.5-Coder leaves the markers out at
+times), Qwen3-Coder's `<function=...>` XML (also Qwen3.5 / 3.6's), Mistral's
+`[TOOL_CALLS]name[ARGS]{...}`, Llama 3.x's bare `{"name": ..., "parameters": ...}` JSON, Gemma 4's
+`<|tool_call>call:name{...}<tool_call|>` notation (`chat/gemma4.py`) and gpt-oss's harmony channels
+(routed by `chat/harmony.py`). Bodies are parsed with `mlx_lm.tool_parsers` where it has the format
+right (hermes, Qwen3-Coder, Mistral, and the other families it knows, parse-only); Llama, Gemma 4 and
+harmony parsing is ours. Importing mlx_lm pulls in transformers (about a second), so it happens on
+the first request that offers tools, not at startup.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ HARMONY = "harmony"
 GEMMA4 = "gemma4"
 GRAMMAR_FAMILIES = frozenset({HERMES, QWEN3_CODER, MISTRAL, LLAMA3, HARMONY, GEMMA4})  # forced calls compile for these
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+HERMES_LEAD = '{"name"'  # what opens a hermes call written without its markers
 MISTRAL_START, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 PYTHON_TAG = "<|python_tag|>"
 Parser = Callable[[str, Any], Any]
@@ -69,8 +72,9 @@ class ParsedCall:
 @dataclass(frozen=True)
 class ToolFormat:
     """A tool-call family. `start` opens a call anywhere in the answer; `lead` opens one only where
-    the answer starts or a call just ended, and belongs to the body (Llama's `{`); `end` closes a
-    call, or is "" when a call ends where its JSON does (Mistral, Llama). `parser` reads a body."""
+    the answer starts or a call just ended, and belongs to the body (Llama's `{`, hermes's bare
+    `{"name"`): such a call ends where its JSON does. `end` closes a call opened by `start`, or is
+    "" when a call ends where its JSON does (Mistral, Llama). `parser` reads a body."""
 
     family: str
     start: str
@@ -90,23 +94,32 @@ class ToolFormat:
         """A call grammar exists for this family (forced calls, the guard under auto)."""
         return self.family in GRAMMAR_FAMILIES
 
-    def scanner(self) -> CallScanner:
-        """Finds where a call that just opened ends, fed its body as it grows."""
+    def scanner(self, led: bool = False) -> CallScanner:
+        """Finds where a call that just opened ends, fed its body as it grows; `led`: it opened by
+        its lead, so it is one JSON value, whatever closes a call opened by `start`."""
+        if led:
+            return JsonEnd()
         if self.family == GEMMA4:
             return QuotedMarkerEnd(self.end, gemma4.QUOTE)
         if self.end:
             return MarkerEnd(self.end)
         return MistralEnd() if self.family == MISTRAL else JsonEnd()
 
-    def parse(self, body: str, tools: list[dict[str, Any]], names: frozenset[str]) -> list[ParsedCall]:
-        """The calls in one call body; ValueError when it is malformed or names a tool not offered."""
+    def parse(self, body: str, tools: list[dict[str, Any]], names: frozenset[str],
+              bare: bool = False) -> list[ParsedCall]:
+        """The calls in one call body; ValueError when it is malformed or names a tool not offered.
+        `bare`: it opened by its lead, so only its shape says it is a call: a hermes one must hold
+        "arguments" (an answer that is JSON about a tool, its definition say, stays text)."""
         try:
             parsed = self.parser(body, tools)
         except Exception as exc:  # parsers raise whatever their input provokes
             raise ValueError(f"unparseable tool call: {exc}") from None
+        items = parsed if isinstance(parsed, list) else [parsed]
+        if bare and self.hermes and not all(isinstance(c, dict) and "arguments" in c for c in items):
+            raise ValueError("bare JSON that is not a hermes call")
         calls = [parsed_call(c.get("name") if isinstance(c, dict) else None,
                              c.get("arguments", {}) if isinstance(c, dict) else None, names)
-                 for c in (parsed if isinstance(parsed, list) else [parsed])]
+                 for c in items]
         if not calls:
             raise ValueError("no tool call in the body")
         return calls
@@ -300,7 +313,7 @@ def detect(template: ChatTemplate, vocab: dict[str, int]) -> ToolFormat | None:
         module = importlib.import_module(f"mlx_lm.tool_parsers.{family}")
     except ImportError:
         if family == HERMES:
-            return ToolFormat(HERMES, HERMES_START, HERMES_END, _json_body)
+            return ToolFormat(HERMES, HERMES_START, HERMES_END, _json_body, lead=HERMES_LEAD)
         log.warning("mlx-lm is not installed: tool calls of the %s family are returned as text", family)
         return None
     if family == MISTRAL:
@@ -309,4 +322,5 @@ def detect(template: ChatTemplate, vocab: dict[str, int]) -> ToolFormat | None:
     if not module.tool_call_start or not module.tool_call_end:
         log.warning("tool calls of the %s family have no end marker; they are returned as text", family)
         return None
-    return ToolFormat(family, module.tool_call_start, module.tool_call_end, module.parse_tool_call)
+    return ToolFormat(family, module.tool_call_start, module.tool_call_end, module.parse_tool_call,
+                      lead=HERMES_LEAD if family == HERMES else "")

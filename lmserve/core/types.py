@@ -113,7 +113,8 @@ class ToolChoice:
 @dataclass
 class OutputFormat:
     """A structured-output constraint as sent: kind "json_schema" (source: the schema), "json_object",
-    "regex", "lark" or "gbnf" (source: the text); `param` names the request field for errors."""
+    "regex", "lark" or "gbnf" (source: the text), "choice" (source: the strings, one of which is the
+    reply); `param` names the request field for errors."""
 
     kind: str
     source: Any
@@ -178,7 +179,11 @@ class ChatRequest:
     # "low" | "medium" | "high" for templates that take a `reasoning_effort` (gpt-oss's harmony);
     # None: the client did not say, the template's own default applies
     reasoning_effort: str | None = None
-    thinking_budget: int | None = None  # tokens; thinking never takes more than 3/4 of max_tokens either
+    # Tokens the reasoning may take (0: none; -1: no budget of its own); None: the server's
+    # --reasoning-budget applies (chat/reasoning.py). Never more than 3/4 of max_tokens either.
+    thinking_budget: int | None = None
+    reasoning_inline: bool = False  # reasoning_format none: reasoning given back in the answer text
+    single_call: bool = False  # parallel_tool_calls false (disable_parallel_tool_use): one call at most
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     session_id: str | None = None
 

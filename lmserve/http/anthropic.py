@@ -118,7 +118,8 @@ def parse_messages(raw: dict[str, Any], vocab_size: int, require_max_tokens: boo
                        tools=tools, tool_choice=parse_tool_choice(body.tool_choice),
                        output_format=output_format, reasoning=thinking.type != "disabled",
                        reasoning_effort=effort_level(thinking),
-                       thinking_budget=thinking.budget_tokens if thinking.type == "enabled" else None)
+                       thinking_budget=thinking.budget_tokens if thinking.type == "enabled" else None,
+                       single_call=body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use is True)
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:

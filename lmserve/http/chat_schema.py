@@ -37,6 +37,21 @@ class OpenAIBody(Struct, kw_only=True):
     lark: str | None = None
     json_schema: SchemaOrText | None = None
     guided_json: SchemaOrText | None = None
+    guided_choice: Annotated[list[NonEmpty], Meta(min_length=1)] | None = None  # vLLM's: one of these strings
+
+
+ThinkingBudget = Annotated[int, Meta(ge=-1, description="tokens; 0 turns reasoning off, -1 sets no budget")]
+# llama-server's: none leaves reasoning in the answer text; auto and deepseek are the default
+ReasoningFormat = Literal["none", "auto", "deepseek"]
+
+
+class ChatLikeBody(OpenAIBody, kw_only=True):
+    """What Chat Completions and Responses share beyond sampling: reasoning and call-count fields
+    (the effort is each one's own)."""
+
+    thinking_token_budget: ThinkingBudget | None = None  # vLLM's; wins over the effort's budget
+    reasoning_format: ReasoningFormat | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
 
 
 class StreamOptions(Struct):
@@ -83,8 +98,10 @@ class JsonSchemaSpec(Struct, kw_only=True, omit_defaults=True):
 
 
 class ResponseFormat(Struct, omit_defaults=True):
-    type: Literal["text", "json_object", "json_schema"] = "text"
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"] = "text"
     json_schema: JsonSchemaSpec | None = None
+    regex: str | None = None  # type regex
+    grammar: str | None = None  # type grammar: GBNF or Lark, as the `grammar` extension
 
 
 class ToolCallFunction(Struct):
@@ -109,7 +126,7 @@ class ChatMessage(Struct, kw_only=True):
     tool_call_id: str | None = None  # tool
 
 
-class ChatCompletionsBody(OpenAIBody, kw_only=True):
+class ChatCompletionsBody(ChatLikeBody, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None

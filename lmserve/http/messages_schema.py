@@ -70,6 +70,7 @@ AnthropicTools = Annotated[list[CustomTool | None], Meta(
 class AnthropicToolChoice(Struct):
     type: Literal["auto", "any", "tool", "none"] = "auto"
     name: str | None = None  # required for type tool
+    disable_parallel_tool_use: bool | None = None  # true: at most one tool_use block
 
 
 class Thinking(Struct):

@@ -11,6 +11,7 @@ from typing import Any
 
 from msgspec import Struct
 
+from lmserve.chat.reasoning import effort_budget
 from lmserve.core.errors import invalid
 from lmserve.core.events import (
     Event,
@@ -42,7 +43,10 @@ from lmserve.http.structs import decode
 ROLE_ALIASES = {"developer": "system"}  # every other role is itself
 # Constraint extensions (llama.cpp's, vLLM's) -> the kind of grammar each carries.
 GRAMMAR_EXTENSIONS = {"grammar": "gbnf", "regex": "regex", "lark": "lark", "json_schema": "json_schema",
-                      "guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "gbnf"}
+                      "guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "gbnf",
+                      "guided_choice": "choice"}
+# response_format types that carry a grammar as text, under the key named like the type
+TEXT_FORMATS = {"regex": "regex", "grammar": "gbnf"}
 # Names the renderer passes to the chat template itself: chat_template_kwargs may not replace them.
 RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
 NO_REASONING = ("none", "minimal")
@@ -129,6 +133,11 @@ def output_format(body: schema.OpenAIBody, kind: str, spec: schema.JsonSchemaSpe
         return extension
     if extension is not None:
         raise invalid(extension.param, f"cannot be combined with {param}")
+    if kind in TEXT_FORMATS:
+        text = getattr(spec, kind, None)
+        if not text:
+            raise invalid(f"{param}.{kind}", f"is required for {param} type {kind}")
+        return OutputFormat(TEXT_FORMATS[kind], text, f"{param}.{kind}")
     param = spec_param if kind == "json_schema" else param
     source = spec.schema if kind == "json_schema" and spec is not None else None
     if source is None:  # json_object, or json_schema without a schema: any JSON object
@@ -137,9 +146,11 @@ def output_format(body: schema.OpenAIBody, kind: str, spec: schema.JsonSchemaSpe
 
 
 def response_format(body: schema.OpenAIBody, fmt: schema.ResponseFormat | None) -> OutputFormat | None:
-    """Chat's and completions' response_format: the json_schema fields nest under "json_schema"."""
+    """Chat's and completions' response_format: the json_schema fields nest under "json_schema",
+    a regex or grammar under the key named like its type."""
     fmt = fmt or schema.ResponseFormat()
-    return output_format(body, fmt.type, fmt.json_schema, "response_format", "response_format.json_schema")
+    spec = fmt if fmt.type in TEXT_FORMATS else fmt.json_schema
+    return output_format(body, fmt.type, spec, "response_format", "response_format.json_schema")
 
 
 def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -155,6 +166,15 @@ def reasoning_requested(effort: str | None) -> bool | None:
     """Any effort but none/minimal turns reasoning on (a no-op for a model without a channel);
     none/minimal turn it off; no effort leaves the template's default (None)."""
     return None if effort is None else effort not in NO_REASONING
+
+
+def reasoning_fields(body: schema.ChatLikeBody, effort: str | None) -> dict[str, Any]:
+    """ChatRequest's reasoning fields from Chat Completions' or Responses' body and its effort:
+    `thinking_token_budget` wins over the effort's budget (chat/reasoning.py)."""
+    budget = body.thinking_token_budget if body.thinking_token_budget is not None else effort_budget(effort)
+    return {"reasoning": reasoning_requested(effort), "reasoning_effort": effort_level(effort),
+            "thinking_budget": budget, "reasoning_inline": body.reasoning_format == "none",
+            "single_call": body.parallel_tool_calls is False}
 
 
 def effort_level(effort: str | None) -> str | None:
@@ -200,9 +220,8 @@ def parse_chat(raw: dict[str, Any], vocab_size: int) -> tuple[ChatRequest, ChatO
     request = ChatRequest(messages, sampling, max_tokens, stop_strings(body.stop), body.stream is True,
                           tools=chat_tools(body.tools), tool_choice=tool_choice(body.tool_choice),
                           output_format=response_format(body, body.response_format),
-                          reasoning=reasoning_requested(body.reasoning_effort),
-                          reasoning_effort=effort_level(body.reasoning_effort),
-                          template_kwargs=template_kwargs(body.chat_template_kwargs))
+                          template_kwargs=template_kwargs(body.chat_template_kwargs),
+                          **reasoning_fields(body, body.reasoning_effort))
     include_usage = body.stream_options is not None and body.stream_options.include_usage is True
     return request, ChatOptions(include_usage=include_usage)
 

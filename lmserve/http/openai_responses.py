@@ -19,9 +19,8 @@ from lmserve.http import responses_schema as schema
 from lmserve.http.common import KEEPALIVE_COMMENT, sse
 from lmserve.http.openai_chat import (
     ROLE_ALIASES,
-    effort_level,
     output_format,
-    reasoning_requested,
+    reasoning_fields,
     sampling_params,
     stop_strings,
     template_kwargs,
@@ -150,8 +149,7 @@ def parse_responses(raw: dict[str, Any], vocab_size: int, store: ResponseStore) 
                        session_id=body.prompt_cache_key,
                        tools=[Tool(t["name"], t["description"], t["parameters"], t["strict"]) for t in tools],
                        tool_choice=tool_choice(body.tool_choice), output_format=fmt,
-                       reasoning=reasoning_requested(effort), reasoning_effort=effort_level(effort),
-                       template_kwargs=template_kwargs(body.chat_template_kwargs))
+                       template_kwargs=template_kwargs(body.chat_template_kwargs), **reasoning_fields(body, effort))
     return ResponsesCall(chat, conversation, keep, echo)
 
 

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from msgspec import Meta, Struct
 
-from lmserve.http.chat_schema import FunctionDef, JsonSchemaSpec, OpenAIBody, ToolChoiceSpec
+from lmserve.http.chat_schema import ChatLikeBody, FunctionDef, JsonSchemaSpec, ToolChoiceSpec
 from lmserve.http.structs import Count, Rejected, keep_known
 
 DROPPED_ITEM_SUFFIXES = ("_call", "_call_output")
@@ -100,7 +100,7 @@ class ReasoningConfig(Struct, omit_defaults=True):
     summary: str | None = None
 
 
-class ResponsesBody(OpenAIBody, kw_only=True):
+class ResponsesBody(ChatLikeBody, kw_only=True):
     input: str | InputItems | None = None
     instructions: str | None = None
     previous_response_id: str | None = None
@@ -112,7 +112,6 @@ class ResponsesBody(OpenAIBody, kw_only=True):
     reasoning: ReasoningConfig | None = None
     prompt_cache_key: str | None = None
     metadata: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     conversation: Rejected = None  # no server-side conversations: use previous_response_id
     background: Rejected = None
