@@ -190,7 +190,7 @@ def banner(runtime, context_reason: str, ready_s: float) -> str:
         ("context", f"{runtime.ctx} tokens ({context_reason})"),
         ("sampling", f"defaults {runtime.sampling_defaults.describe()}"),
         ("weights", human_bytes(engine.weight_bytes)),
-        ("batch / queue", f"{runtime.scheduler.max_batch} / {runtime.options.max_queue}"),
+        ("batch / queue", f"{runtime.status().max_batch} / {runtime.options.max_queue}"),
         ("speculation", runtime.options.speculate),
         ("KV slots", kv_line(runtime)),
         ("listening", f"http://{runtime.options.host}:{runtime.options.port}"),
@@ -198,7 +198,7 @@ def banner(runtime, context_reason: str, ready_s: float) -> str:
     ]
     if engine.quant_summary:
         rows.insert(3, ("conversion", engine.quant_summary))
-    if hasattr(engine, "ranks"):  # --distributed: each rank's share of the weights, and its free memory
+    if engine.ranks:  # --distributed: each rank's share of the weights, and its free memory
         shares = ", ".join(f"rank {r} {rank.host} {human_bytes(rank.weight_bytes)} ({human_bytes(rank.available)} free)"
                            for r, rank in enumerate(engine.ranks))
         rows.insert(rows.index(("weights", human_bytes(engine.weight_bytes))) + 1,
@@ -258,11 +258,7 @@ class GracefulServer(uvicorn.Server):
         self.runtime = runtime
 
     def handle_exit(self, sig, frame) -> None:
-        stopping = getattr(self.runtime.engine, "stopping", None)
-        if stopping is None:
-            self.runtime.scheduler.request_stop()
-        else:  # --distributed: a stuck step ends soon, naming a lost rank; then the worker stops
-            stopping(self.runtime.scheduler.request_stop)
+        self.runtime.request_stop()
         super().handle_exit(sig, frame)
 
 
@@ -341,8 +337,6 @@ def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"lmserve: cannot use --kv-cache-dir {args.kv_cache_dir}: {exc}") from None
     if runtime.slot_budget.warning:
         logging.getLogger("lmserve.ram").warning("RAM guard: %s", runtime.slot_budget.warning)
-    if args.distributed:  # a lost rank ends the open requests with an in-band error
-        distributed.on_gone(runtime.scheduler.abandon)
     runtime.start()
     guard = GuardOptions(api_key=args.api_key, max_conns=args.conns,
                          max_body=args.max_body or default_max_body(ctx),
@@ -360,8 +354,7 @@ def serve(args: argparse.Namespace) -> None:
     try:
         server.run(sockets=[sock])
     finally:
-        runtime.stop()
-    getattr(engine, "close", lambda: None)()  # --distributed: the followers exit too
+        runtime.stop()  # --distributed: the followers exit too
     exit_without_finalizing()
 
 

@@ -32,6 +32,8 @@ from lmserve.serving.ram_guard import plan_slots, slot_state_bytes
 from lmserve.serving.scheduler import PREFILL_CHUNK, QueueFull, Scheduler, ShuttingDown
 from lmserve.serving.speculate import DEFAULT_MODE, drafters
 
+COMPLETIONS_MAX_TOKENS = 16  # the legacy completions API's default reply budget
+
 
 @dataclass
 class ServerOptions:
@@ -54,6 +56,18 @@ class ServerOptions:
     reasoning_budget: int = UNLIMITED  # tokens a reply may reason when its request sets no budget (0: off)
     keepalive: float = 5.0  # seconds of silence after which a stream writes a keep-alive frame
     started_at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class RuntimeStatus:
+    engine: str
+    device: str
+    max_batch: int  # sequences decoded together (--batch, at most the slots)
+    queue_depth: int  # requests waiting for the worker
+    active_sequences: int  # sequences being generated
+    tokens_generated: int
+    kv: dict[str, Any]  # the slot pool's figures (slots, kv_bytes, ...)
+    warm: bool  # first-use work (tool parsers, grammar tokenizer) done
 
 
 class Runtime:
@@ -86,6 +100,7 @@ class Runtime:
                                    drafters(options.speculate, options.ctx, model.config.vocab_size, draft_engine))
 
     def start(self) -> None:
+        self.engine.on_lost(self.scheduler.abandon)  # a lost rank ends the open requests in-band
         self.scheduler.start()
         threading.Thread(target=self._warm_up, name="lmserve-warm-up", daemon=True).start()
 
@@ -94,7 +109,13 @@ class Runtime:
         self.warm.set()
 
     def stop(self) -> None:
+        """Stop the worker, then let the engine go (a distributed one: its followers exit)."""
         self.scheduler.stop()
+        self.engine.close()
+
+    def request_stop(self) -> None:
+        """The server was told to stop: the worker ends open streams as the engine allows."""
+        self.engine.stopping(self.scheduler.request_stop)
 
     def model_info(self) -> dict[str, Any]:
         """What /health and /v1/models say about the served model."""
@@ -103,6 +124,14 @@ class Runtime:
                 "active_parameters": cfg.n_active_params, "experts": cfg.n_experts,
                 "experts_per_token": cfg.n_experts_used, "context": self.ctx,
                 "trained_context": cfg.context_length, "quant_mix": cfg.quant_mix}
+
+    def status(self) -> RuntimeStatus:
+        """The live figures /health, /metrics and the CLI report, read here rather than from the
+        scheduler and slot pool themselves."""
+        scheduler = self.scheduler
+        return RuntimeStatus(self.engine.name, self.engine.device, scheduler.max_batch, scheduler.queue_depth,
+                             scheduler.active_sequences, scheduler.tokens_generated, self.slots.stats(),
+                             self.warm.is_set())
 
     @property
     def draining(self) -> bool:
@@ -129,16 +158,30 @@ class Runtime:
         handles: list[RequestHandle] = []
         try:
             for prompt in prompts:
-                handles.append(self.start_job(prompt, sampling, max_tokens, stop, session_id, plan, observer))
+                handles.append(self.start_job(prompt, sampling, max_tokens, stop, session_id, plan, observer,
+                                              api_default=COMPLETIONS_MAX_TOKENS))
         except RequestError:
             for handle in handles:
                 handle.cancel()
             raise
         return handles
 
+    def resolved_sampling(self, sampling: SamplingParams) -> SamplingParams:
+        """The sampling a request gets: its own fields, then the server's --temp and the model's
+        recommended values (what a dialect that echoes its sampling must report)."""
+        return sampling.with_defaults(self.sampling_defaults.values())
+
+    def reply_budget(self, max_tokens: int | None, prompt_tokens: int, api_default: int | None = None) -> int:
+        """The request's budget, else the server's --max-tokens, else the API's own default (the
+        legacy completions API's 16), else the rest of the context; never past the context."""
+        rest = self.ctx - prompt_tokens
+        asked = next((v for v in (max_tokens, self.options.max_tokens, api_default) if v is not None), rest)
+        return min(asked, rest)
+
     def start_job(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int | None,
                   stop: list[str], session_id: str | None = None, plan: ReplyPlan | None = None,
-                  observer: Observer | None = None, history_end: int = 0) -> RequestHandle:
+                  observer: Observer | None = None, history_end: int = 0,
+                  api_default: int | None = None) -> RequestHandle:
         """Validate the prompt against the context and queue it; raises RequestError."""
         n = len(prompt_ids)
         if n == 0:
@@ -148,11 +191,8 @@ class Runtime:
                 f"the prompt has {n} tokens but the context size is {self.ctx} tokens; "
                 "shorten the conversation or start the server with a larger --ctx",
                 400, "messages", "context_length_exceeded")
-        budget = self.ctx - n
-        if max_tokens is None:  # no budget asked: to the end of the context, or the server's --max-tokens
-            max_tokens = self.options.max_tokens or budget
-        max_tokens = min(max_tokens, budget)
-        sampling = sampling.with_defaults(self.sampling_defaults.values())
+        max_tokens = self.reply_budget(max_tokens, n, api_default)
+        sampling = self.resolved_sampling(sampling)
         job = GenerationJob(prompt_ids, sampling, max_tokens, EventChannel(asyncio.get_running_loop()),
                             stop, session_id, reply=plan or ReplyPlan(), history_end=history_end)
         try:

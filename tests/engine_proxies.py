@@ -67,8 +67,8 @@ class TrackingEngine(Engine[C]):
         """One sequence's rows of a verify pass; row i is its decode number `first + i`."""
         return rows
 
-    def new_cache(self, max_tokens: int) -> C:
-        return self.engine.new_cache(max_tokens)
+    def new_cache(self, capacity: int) -> C:
+        return self.engine.new_cache(capacity)
 
     def prefill(self, cache: C, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         logits = self.engine.prefill(cache, token_ids, all_logits)
@@ -122,8 +122,8 @@ class TrackingEngine(Engine[C]):
     def save_cache(self, cache: C, path: Path) -> None:
         self.engine.save_cache(cache, path)
 
-    def load_cache(self, path: Path, max_tokens: int) -> C:
-        cache = self.engine.load_cache(path, max_tokens)
+    def load_cache(self, path: Path, capacity: int) -> C:
+        cache = self.engine.load_cache(path, capacity)
         self._held[cache] = _Held([None] * cache.length)
         return cache
 

@@ -8,6 +8,7 @@ Used by scripts/soak.py (long runs) and tests/test_soak.py (the short CI form, a
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -193,16 +194,20 @@ class Soak:
         check_semantics(plan, reply, self.ctx)
         return outcome("ok", reply.completion_tokens)
 
-    def run(self, clients: int, seconds: float, rss_warm: int, sigterm_after: float | None = None) -> Report:
-        """`clients` draw from the mix for `seconds` (or until a SIGTERM `sigterm_after` seconds
-        in); then the server must be idle with its memory near `rss_warm`, or have exited 0."""
+    def run(self, clients: int, seconds: float, rss_warm: int, sigterm_after: float | None = None,
+            requests: int | None = None) -> Report:
+        """`clients` draw from the mix for `seconds`, or `requests` draws each (the same work
+        however fast the machine is), or until a SIGTERM `sigterm_after` seconds in; then the
+        server must be idle with its memory near `rss_warm`, or have exited 0."""
         outcomes: list[Outcome] = []
         deadline = time.monotonic() + seconds
 
         def client(i: int) -> None:
             mix = self.mix(i)
             with httpx.Client(base_url=self.server.base_url, timeout=REQUEST_TIMEOUT) as http:
-                while time.monotonic() < deadline and not self.stopping.is_set():
+                for _ in itertools.count() if requests is None else range(requests):
+                    if time.monotonic() >= deadline or self.stopping.is_set():
+                        break
                     outcomes.append(self.execute(http, mix.draw(), mix.rng))
 
         trace: list[int] = []

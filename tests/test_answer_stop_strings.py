@@ -5,6 +5,7 @@ end the reply (on the tiny Qwen3 fixture's tokenizer and template, and on script
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from lmserve.chat.planner import ReplyPlanner
 from lmserve.chat.reply import ReplyDecoder, ReplyPlan
@@ -13,6 +14,8 @@ from lmserve.core.events import Event, ReasoningDelta, TextDelta, TokenLogprob, 
 from lmserve.core.types import ChatRequest, Message
 from lmserve.model.tokenizer import Tokenizer
 from tests.test_reply_routing import CALLS, WEATHER, drive
+
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "STOP"}}\n</tool_call>'
 

@@ -21,6 +21,8 @@ from lmserve.model.gguf_file import GGUFFile, ModelLoadError
 from lmserve.model.tokenizer import Tokenizer
 from tests.conftest import CLIENTS, TEMPLATES, TINY_LLAMA
 
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
+
 QWEN3 = (TEMPLATES / "qwen3.jinja").read_text()
 TINY_LLAMA_F32 = TINY_LLAMA / "tiny-llama-F32.gguf"
 SPECIAL = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}

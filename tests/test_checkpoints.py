@@ -7,6 +7,8 @@ import pytest
 
 from lmserve.engine.checkpoints import Checkpoints
 
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
+
 
 def test_latest_finds_the_checkpoint_at_or_below():
     points: Checkpoints[str] = Checkpoints(8)

@@ -19,6 +19,8 @@ from lmserve.model.loader import load_model
 from lmserve.runtime import Runtime, ServerOptions
 from tests.fixture_models import write_model
 
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
+
 PATTERN = "(ab|ba){2,4}!"
 CITY = {"type": "object", "required": ["city"], "additionalProperties": False,
         "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,6}$"}}}

@@ -11,6 +11,8 @@ import pytest
 from lmserve.engine_cpu import delta_net
 from lmserve.model.config import LinearAttention
 
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
+
 HEADS, K_DIM, V_DIM = 4, 16, 8
 
 

@@ -17,6 +17,8 @@ from lmserve.model.gguf_file import GGUFFile
 from tests.conftest import TINY_LLAMA
 from tests.fixture_models import write_all
 
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
+
 REFERENCE = json.loads((TINY_LLAMA / "reference_f32_logits.json").read_text())
 LLAMA_CPP = json.loads((TINY_LLAMA / "llama_cpp_logits.json").read_text())
 
@@ -241,7 +243,7 @@ def test_prefill_in_pieces_and_chunks_equals_one_pass(tiny_engines: dict[str, CP
     first = engine.prefill(pieces, PROMPT[:4], all_logits=True)
     rest = engine.prefill(pieces, PROMPT[4:], all_logits=True)
     np.testing.assert_allclose(np.concatenate([first, rest]), whole, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 3)
+    monkeypatch.setattr(engine_module, "FORWARD_CHUNK", 3)
     chunked = engine.new_cache(32)
     np.testing.assert_allclose(engine.prefill(chunked, PROMPT, all_logits=True), whole, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(engine.prefill(engine.new_cache(32), PROMPT), whole[-1], rtol=1e-5, atol=1e-5)

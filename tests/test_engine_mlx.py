@@ -218,7 +218,7 @@ def fresh(engine: MLXEngine, ids: list[int]) -> np.ndarray:
 
 def test_chunked_prefill(tiny, monkeypatch):
     whole = tiny.prefill(tiny.new_cache(64), PROMPT, all_logits=True)
-    monkeypatch.setattr(mlx_engine_module, "PREFILL_CHUNK", 7)
+    monkeypatch.setattr(mlx_engine_module, "FORWARD_CHUNK", 7)
     np.testing.assert_allclose(tiny.prefill(tiny.new_cache(64), PROMPT, all_logits=True), whole, atol=1e-4)
     np.testing.assert_allclose(tiny.prefill(tiny.new_cache(64), PROMPT), whole[-1], atol=1e-4)
 

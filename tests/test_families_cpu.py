@@ -19,6 +19,8 @@ from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
 from tests.families import Fixture, check_against_references, fixtures, references
 
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
+
 NEW_FAMILIES = ("qwen35", "qwen35moe", "gemma4")  # issue 25's: hybrid layers, Gemma 4's per-layer shapes
 
 

@@ -28,6 +28,8 @@ from lmserve.model.config import ModelConfig  # noqa: E402
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError  # noqa: E402
 from tests.families import Fixture, check_against_references, fixtures, references  # noqa: E402
 
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
+
 
 class Engines:
     """One engine per file for the module, converted weights cached in a temporary directory
@@ -171,7 +173,7 @@ def test_rows_decoded_together_equal_each_alone_and_a_prefill(family: str, load:
 def test_prefill_in_chunks_shorter_than_the_window(family: str, load: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
     engine, ids = load(Fixture(family, "F16")), ids_of(family)
     whole = engine.prefill(engine.new_cache(64), ids, all_logits=True)
-    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 5)
+    monkeypatch.setattr(engine_module, "FORWARD_CHUNK", 5)
     np.testing.assert_allclose(engine.prefill(engine.new_cache(64), ids, all_logits=True), whole, atol=1e-4)
     np.testing.assert_allclose(engine.prefill(engine.new_cache(64), ids), whole[-1], atol=1e-4)
 

@@ -37,6 +37,8 @@ from lmserve.model.tokenizer import Tokenizer
 from tests.conftest import TEMPLATES, TINY_LLAMA
 from tests.test_chat_template import _parse as parse
 
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "PyTorch was not found"
     from transformers.utils.chat_template_utils import render_jinja_template

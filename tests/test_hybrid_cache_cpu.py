@@ -21,6 +21,8 @@ from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile
 from tests.families import Fixture, references
 
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
+
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 
@@ -89,7 +91,7 @@ def test_chunked_prefill_equals_step_decode(prefill_chunk: int, rule_chunk: int,
     stepped = e.new_cache(64)
     logits = [e.prefill(stepped, ids(1))]
     logits += [e.decode([stepped], [token])[0] for token in ids()[1:]]
-    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", prefill_chunk)
+    monkeypatch.setattr(engine_module, "FORWARD_CHUNK", prefill_chunk)
     monkeypatch.setattr(delta_net_module, "CHUNK", rule_chunk)
     whole = e.new_cache(64)
     np.testing.assert_allclose(e.prefill(whole, ids(), all_logits=True), np.stack(logits), **TOL)

@@ -26,6 +26,8 @@ from lmserve.model.gguf_file import GGUFFile  # noqa: E402
 from tests.conftest import TINY_LLAMA  # noqa: E402
 from tests.families import Fixture, references  # noqa: E402
 
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
+
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 

@@ -1,10 +1,15 @@
-"""The package layering of docs/LMSERVER.md holds: imports run one way, and HTTP reaches the
-worker only through the request handle."""
+"""The package layering of docs/LMSERVER.md holds: imports run one way, HTTP reaches the worker
+only through the request handle, engines are used only through their protocol and the runtime
+through its own methods."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lmserve"
 # Top to bottom: each layer may import only from the layers after it.
@@ -42,3 +47,25 @@ def test_http_holds_requests_only_through_their_handle():
                     and b.split(".")[1] in ("serving", "engine", "engine_cpu", "engine_mlx")
                     and b not in HTTP_MAY_USE})
     assert reach == []
+
+
+# What outer layers may not reach into: the runtime's parts, and an engine's attributes by probing.
+RUNTIME_PARTS = ("scheduler", "slots")
+
+
+def test_nothing_probes_an_engine_or_the_runtime_for_what_it_has():
+    """Engines are used through the Engine protocol (its lifecycle included), never by asking
+    getattr / hasattr whether this one has a method; outer layers read Runtime.status(), not the
+    runtime's scheduler and slot pool."""
+    probes, reaches = [], []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id in ("getattr", "hasattr") and node.args:
+                target = ast.unparse(node.args[0])
+                if "engine" in target or "runtime" in target:
+                    probes.append(f"{path.name}: {ast.unparse(node)}")
+            if path.name != "runtime.py" and isinstance(node, ast.Attribute) and node.attr in RUNTIME_PARTS \
+                    and ast.unparse(node.value).endswith("runtime"):
+                reaches.append(f"{path.name}: {ast.unparse(node)}")
+    assert probes == [] and reaches == []

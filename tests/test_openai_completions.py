@@ -47,3 +47,15 @@ def test_stream_matches_non_stream_and_logprobs(client):
 def test_rejected_fields_name_themselves(smollm2_server, extra, param):
     r = httpx.post(smollm2_server.base_url + "/v1/completions", json={"prompt": PROMPT, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_the_server_reply_budget_applies_where_the_request_sets_none() -> None:
+    """--max-tokens is the budget of a completion that sets none (before the API's own 16)."""
+    from lmserve.model.default_model import default_model_path
+    from tests.server_util import start_server
+
+    with start_server(str(default_model_path()), "--ctx", "512", "--max-tokens", "24") as server:
+        r = httpx.post(server.base_url + "/v1/completions", timeout=120,
+                       json={"prompt": "1, 2, 3, 4, 5, 6,", "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 24 and r.json()["choices"][0]["finish_reason"] == "length"

@@ -259,7 +259,7 @@ def test_store_evicts_oldest_by_count_and_bytes():
 def test_failure_mid_stream_is_a_spec_valid_response_failed():
     store = ResponseStore()
     call = parse_responses({"input": "hi", "stream": True}, VOCAB, store)
-    renderer = ResponseRenderer("m", call, store)
+    renderer = ResponseRenderer("m", call, store, call.chat.sampling)
 
     async def events() -> AsyncIterator[Event]:
         yield TextDelta("Hel")
@@ -295,3 +295,14 @@ def test_no_budget_means_the_rest_of_the_context_or_the_servers_max_tokens():
         assert r["usage"]["output_tokens"] == 8
         assert httpx.head(capped.base_url + "/").status_code == 200
         assert httpx.head(capped.base_url + "/v1").status_code == 200
+
+
+def test_a_response_echoes_the_sampling_it_used(smollm2_server) -> None:
+    """A field the client leaves out is echoed as applied: SmolLM2's recommended 0.2 / 0.9, not the
+    API's 1.0 / 1.0; a field it sets, as sent."""
+    url = smollm2_server.base_url + "/v1/responses"
+    body = {"input": "hi", "max_output_tokens": 1, "store": False}
+    echoed = httpx.post(url, json=body, timeout=120).json()
+    assert (echoed["temperature"], echoed["top_p"]) == (0.2, 0.9)
+    echoed = httpx.post(url, json={**body, "temperature": 0.7}, timeout=120).json()
+    assert (echoed["temperature"], echoed["top_p"]) == (0.7, 0.9)

@@ -16,7 +16,7 @@ from lmserve.model.config import ModelConfig
 from lmserve.model.default_model import default_model_path
 from lmserve.model.gguf_file import GGUFFile
 
-pytestmark = pytest.mark.skipif(sys.platform == "darwin", reason="numba is not installed on macOS (MLX serves)")
+pytestmark = [pytest.mark.fast, pytest.mark.skipif(sys.platform == "darwin", reason="numba is not installed on macOS (MLX serves)")]
 
 
 def random_matrix(rows: int, columns: int, block: int, seed: int = 0) -> tuple[QuantMatrix, np.ndarray]:

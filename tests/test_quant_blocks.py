@@ -12,6 +12,8 @@ from gguf import quants as gguf_quants
 from lmserve.engine_cpu.quant_blocks import SUPPORTED, unpack
 from lmserve.model.gguf_file import GGUFFile
 
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
+
 T = GGMLQuantizationType
 # gguf 0.19 quantizes only the legacy types; the K-quants are tested on random blocks.
 QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]

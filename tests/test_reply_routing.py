@@ -17,6 +17,8 @@ from lmserve.core.events import Event, ReasoningDelta, TextDelta, TokenLogprob, 
 from lmserve.core.types import ChatRequest, Message, OutputFormat, Tool
 from lmserve.model.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
+
 WEATHER = Tool("get_weather", "Weather for a city",
                {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, strict=True)
 HERMES_FORMAT = ToolFormat(HERMES, HERMES_START, HERMES_END, lambda body, tools: json.loads(body),

@@ -13,6 +13,8 @@ import pytest
 from lmserve.core.types import SamplingParams
 from lmserve.serving.sampling import Sampler, _nucleus, token_logprob
 
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
+
 LOGITS = np.array([1.0, 3.0, 2.0, 0.5, 2.9], dtype=np.float32)
 # softmax(LOGITS) ~ [0.054, 0.402, 0.148, 0.033, 0.363]: by rank 1, 4, 2, 0, 3, cumulative
 # 0.402, 0.765, 0.913, 0.967, 1.0; relative to the best 1, 0.905, 0.368, 0.135, 0.082.

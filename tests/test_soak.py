@@ -2,16 +2,13 @@
 and behaviour against SmolLM2, then the server idle with its memory where warm-up left it; then
 SIGTERM under the same load: every open stream ends properly and the process exits 0.
 
-The short run must also have done real work. On a 2-core machine with OPENBLAS_NUM_THREADS=1 (a
-test suite running beside it in two of three runs), 30 s with 3 clients finished 67 to 69
-requests: 36 to 38 ok (7 to 12 per dialect), 21 or 22 cut (8 or 9 hang-ups, 13 streams), and
-/metrics counted as many client_closed. The floors below sit at about a third of that, so a slow
-runner passes and a server that stalls, refuses or stops cancelling does not.
+The short run is a fixed amount of work, not a time: each client makes REQUESTS draws from its
+seeded mix, however slow the machine (a suite beside it, a busy CI runner), so what it must have
+covered (an ok reply in every dialect, a hang-up, a cut stream, a client_closed on /metrics) does
+not depend on the wall clock. On an idle 2-core machine 3 clients made 67 to 69 requests in 30 s.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -19,10 +16,9 @@ from tests.server_util import start_server
 from tests.soak import Soak, table
 from tests.soak_requests import DIALECTS, STREAMED
 
-SECONDS = float(os.environ.get("LMSERVE_SOAK_SECONDS", "30"))
 CTX = 512
-MIN_REQUESTS = 24  # finished in the 30 s run, whatever their result
-MIN_OK = 12  # and at least one ok per dialect, one hang-up and one stream cut, one client_closed
+REQUESTS = 12  # per client
+TIMEOUT = 900.0  # seconds: only a stalled server comes near it
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +28,11 @@ def soak():
 
 
 def test_short_soak_leaves_the_server_idle_without_growth(soak):
-    report = soak.run(clients=3, seconds=SECONDS, rss_warm=soak.warm_up())
+    report = soak.run(clients=3, seconds=TIMEOUT, rss_warm=soak.warm_up(), requests=REQUESTS)
     print(table(report))
     assert not report.failures, table(report)
-    scale = min(1.0, SECONDS / 30)  # LMSERVE_SOAK_SECONDS may shorten the run
     ok = [o for o in report.outcomes if o.result == "ok"]
-    assert len(report.outcomes) >= MIN_REQUESTS * scale and len(ok) >= MIN_OK * scale, table(report)
+    assert len(report.outcomes) == 3 * REQUESTS, table(report)
     assert {o.dialect for o in ok} == set(DIALECTS), table(report)
     assert report.cuts(("hangup",)) >= 1 and report.cuts(STREAMED) >= 1, table(report)
     assert sum(report.client_closed.values()) >= 1, table(report)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from lmserve.chat.token_stream import TokenStream
+
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
 
 EMOJI = "🙂".encode()  # 4 bytes, split over two tokens below
 TABLE = {0: b"Hello", 1: b" wor", 2: b"ld", 3: EMOJI[:2], 4: EMOJI[2:], 5: b"<|", 6: b"end", 7: b"|>", 8: b"!"}

@@ -18,6 +18,8 @@ from tests.conftest import TINY_LLAMA
 from tests.families import ARCH
 from tests.gemma4_vocab import NEWLINES, write_gemma4_vocab
 
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
+
 TINY_LLAMA_F32 = TINY_LLAMA / "tiny-llama-F32.gguf"
 
 

@@ -36,9 +36,12 @@ def check_call(name: str, arguments: str | dict) -> None:
 
 
 def sse(server, path: str, body: dict) -> list[dict]:
+    """The stream's events in order; Anthropic's keep-alive pings (written whenever the stream is
+    silent a while, as on a busy machine) are allowed anywhere and left out."""
     with httpx.stream("POST", server.base_url + path, json={**body, "stream": True}, timeout=300) as r:
         assert r.status_code == 200, r.read()
-        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    return [e for e in events if e.get("type") != "ping"]
 
 
 # -- streaming, raw: each dialect's native events ----------------------------------------------------------

@@ -38,6 +38,8 @@ from tests.families import ARCH, FAMILIES
 from tests.gemma4_vocab import write_gemma4_vocab
 from tests.test_reply_routing import drive
 
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
+
 WEATHER = Tool("get_weather", "Weather for a city", {
     "type": "object", "additionalProperties": False, "required": ["city", "unit"], "properties": {
         "city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["celsius", "fahrenheit"]},

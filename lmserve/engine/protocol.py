@@ -8,9 +8,9 @@ cache type: `Engine[C]` takes and returns only its own `C` (a cache of another e
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -42,6 +42,14 @@ class KVCache(Protocol):
 C = TypeVar("C", bound=KVCache)
 
 
+class RankShare(NamedTuple):
+    """One process of a distributed engine, as the banner shows it and the RAM guard checks it."""
+
+    host: str
+    weight_bytes: int
+    available: int  # bytes of memory available once its weights loaded
+
+
 class Engine(Protocol[C]):
     """A model loaded for inference on one device, with its own cache type `C`."""
 
@@ -67,6 +75,23 @@ class Engine(Protocol[C]):
     # Hybrid models: recurrent-state checkpoints each cache keeps (`engine/checkpoints.py`); the
     # runtime sets it (--kv-checkpoints) before making caches.
     checkpoints_per_cache: int = 8
+    # A distributed engine: its ranks and how the model is split over them; () and "" otherwise.
+    ranks: Sequence[RankShare] = ()
+    parallelism: str = ""
+
+    # -- lifecycle: the same calls for a single-process engine and a distributed one -------------
+
+    def stopping(self, then: Callable[[], None]) -> None:
+        """The server was told to stop; `then` stops the worker. A single process stops it now;
+        a distributed engine first lets a step stuck on a lost rank fail, naming the rank."""
+        then()
+
+    def on_lost(self, abandon: Callable[[str], None]) -> None:
+        """Where a distributed engine reports a lost rank (`abandon` ends the open requests with
+        its message); a single process has no ranks to lose."""
+
+    def close(self) -> None:
+        """At the server's exit: a distributed engine tells its followers to exit too."""
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one cached position costs this process (what the RAM guard prices)."""
@@ -87,8 +112,8 @@ class Engine(Protocol[C]):
         """Keep a hybrid cache's recurrent state at its current length, so that it can later be cut
         back there exactly and cheaply (nothing to keep where every layer is attention)."""
 
-    def new_cache(self, max_tokens: int) -> C:
-        """An empty cache for up to `max_tokens` positions (memory is allocated as it fills)."""
+    def new_cache(self, capacity: int) -> C:
+        """An empty cache for up to `capacity` positions (memory is allocated as it fills)."""
         ...
 
     def prefill(self, cache: C, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
@@ -130,9 +155,9 @@ class Engine(Protocol[C]):
         cache's recurrent state, checkpoints and token ids with them."""
         ...
 
-    def load_cache(self, path: Path, max_tokens: int) -> C:
+    def load_cache(self, path: Path, capacity: int) -> C:
         """Read a cache written by `save_cache` of this model on this engine; ValueError for a
-        file of another model or engine, or one holding more than `max_tokens` positions."""
+        file of another model or engine, or one holding more than `capacity` positions."""
         ...
 
 

@@ -37,7 +37,7 @@ from lmserve.engine_cpu.weights import DeltaNetWeights, load_weights
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile
 
-PREFILL_CHUNK = 256  # prompt tokens per forward pass: bounds the attention scores' memory
+FORWARD_CHUNK = 256  # prompt tokens per forward pass: bounds the attention scores' memory
 
 
 class CPUEngine(Engine[CPUCache]):
@@ -67,8 +67,8 @@ class CPUEngine(Engine[CPUCache]):
 
     # -- caches ------------------------------------------------------------------------------
 
-    def new_cache(self, max_tokens: int) -> CPUCache:
-        return CPUCache(self._layout, max_tokens, self.checkpoints_per_cache)
+    def new_cache(self, capacity: int) -> CPUCache:
+        return CPUCache(self._layout, capacity, self.checkpoints_per_cache)
 
     def resume_point(self, cache: CPUCache, n: int) -> int:
         return _own(cache).resume_point(n)
@@ -87,13 +87,13 @@ class CPUEngine(Engine[CPUCache]):
     def save_cache(self, cache: CPUCache, path: Path) -> None:
         _own(cache).save(path)
 
-    def load_cache(self, path: Path, max_tokens: int) -> CPUCache:
-        return CPUCache.load(self._layout, path, max_tokens, self.checkpoints_per_cache)
+    def load_cache(self, path: Path, capacity: int) -> CPUCache:
+        return CPUCache.load(self._layout, path, capacity, self.checkpoints_per_cache)
 
     def _feed(self, cache: CPUCache, ids: np.ndarray) -> None:
         """Feed the token ids a cut-back hybrid cache recomputes (no logits; room is there)."""
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            self._forward(ids[start:start + PREFILL_CHUNK], [cache])
+        for start in range(0, len(ids), FORWARD_CHUNK):
+            self._forward(ids[start:start + FORWARD_CHUNK], [cache])
 
     # -- inference ---------------------------------------------------------------------------
 
@@ -104,8 +104,8 @@ class CPUEngine(Engine[CPUCache]):
             raise ValueError("prefill needs at least one token")
         c.reserve(c.length + len(ids))
         logits = []
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            h = self._forward(ids[start:start + PREFILL_CHUNK], [c])
+        for start in range(0, len(ids), FORWARD_CHUNK):
+            h = self._forward(ids[start:start + FORWARD_CHUNK], [c])
             if all_logits:
                 logits.append(self._logits(h))
         return np.concatenate(logits) if all_logits else self._logits(h[-1:])[0]

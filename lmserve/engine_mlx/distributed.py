@@ -32,14 +32,14 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import psutil
 
-from lmserve.engine.protocol import Engine
+from lmserve.engine.protocol import Engine, RankShare
 from lmserve.engine_mlx import pipeline
 from lmserve.engine_mlx.engine import MLXEngine, Progress
 from lmserve.engine_mlx.kv import MLXKVCache
@@ -308,7 +308,7 @@ class LockstepEngine(Engine[MLXKVCache]):
     Caches are the local engine's, tagged with an integer handle the followers know them by; a
     cache rank 0 drops is freed on the followers with the next command."""
 
-    def __init__(self, inner: ShardedMLXEngine, ranks: list[Rank]) -> None:
+    def __init__(self, inner: ShardedMLXEngine, ranks: list[RankShare]) -> None:
         self.inner = inner
         self.group = inner.group
         self.world = self.group.size()
@@ -322,7 +322,7 @@ class LockstepEngine(Engine[MLXKVCache]):
         self.quant_summary = inner.quant_summary
         self.device_argmax = inner.device_argmax
         self.cheap_verify = inner.cheap_verify
-        self.ranks = ranks
+        self.ranks: Sequence[RankShare] = ranks
         self.available_memory = min(rank.available for rank in ranks)  # slots must fit on every rank
         self._lock = threading.Lock()
         self._next = 1
@@ -377,6 +377,9 @@ class LockstepEngine(Engine[MLXKVCache]):
         self._watchdog.hurry(STOP_S, f"still waiting on the other ranks {STOP_S:.0f} s after the stop signal")
         threading.Timer(STOP_S + STOP_GRACE_S, then).start()
 
+    def on_lost(self, abandon: Callable[[str], None]) -> None:
+        on_gone(abandon)
+
     def close(self) -> None:
         """Tell the followers to exit (at rank 0's exit)."""
         with self._lock:
@@ -404,11 +407,11 @@ class LockstepEngine(Engine[MLXKVCache]):
     def checkpoints_per_cache(self, limit: int) -> None:
         self.inner.checkpoints_per_cache = limit  # the followers get it with each new cache
 
-    def new_cache(self, max_tokens: int) -> MLXKVCache:
+    def new_cache(self, capacity: int) -> MLXKVCache:
         with self._lock:
             handle = self._next
-            self._send(Op.NEW_CACHE, [handle, max_tokens, self.checkpoints_per_cache])
-            return self._tag(self.inner.new_cache(max_tokens))
+            self._send(Op.NEW_CACHE, [handle, capacity, self.checkpoints_per_cache])
+            return self._tag(self.inner.new_cache(capacity))
 
     def resume_point(self, cache: MLXKVCache, n: int) -> int:
         return self.inner.resume_point(cache, n)  # bookkeeping every rank holds alike: no call
@@ -443,11 +446,11 @@ class LockstepEngine(Engine[MLXKVCache]):
         self._call(Op.SAVE_CACHE, [cache.handle, *_words(str(path))],  # type: ignore[attr-defined]
                    lambda: self.inner.save_cache(cache, path))
 
-    def load_cache(self, path: Path, max_tokens: int) -> MLXKVCache:
+    def load_cache(self, path: Path, capacity: int) -> MLXKVCache:
         with self._lock:
             handle = self._next
-            self._send(Op.LOAD_CACHE, [handle, max_tokens, self.checkpoints_per_cache, *_words(str(path))])
-            return self._tag(self.inner.load_cache(path, max_tokens))
+            self._send(Op.LOAD_CACHE, [handle, capacity, self.checkpoints_per_cache, *_words(str(path))])
+            return self._tag(self.inner.load_cache(path, capacity))
 
 
 def execute(engine: ShardedMLXEngine, caches: dict[int, MLXKVCache], op: Op, args: list[int]) -> None:
@@ -514,25 +517,17 @@ def follow(engine: ShardedMLXEngine) -> None:
             pace.end(watchdog)
 
 
-class Rank(NamedTuple):
-    """One rank, as the banner shows it and the RAM guard checks it."""
-
-    host: str
-    weight_bytes: int
-    available: int  # bytes of memory available once its weights loaded
-
-
 HOST_BYTES = 64  # a host name is cut to this many bytes in the gather
 
 
-def gather_ranks(group: mx.distributed.Group, weight_bytes: int) -> list[Rank]:
+def gather_ranks(group: mx.distributed.Group, weight_bytes: int) -> list[RankShare]:
     """Every rank's host, weights and available memory, on every rank."""
     host = socket.gethostname().encode()[:HOST_BYTES]
     mine = np.zeros((1, 2 + HOST_BYTES), dtype=np.float32)
     mine[0, :2] = [weight_bytes / 2**20, psutil.virtual_memory().available / 2**20]
     mine[0, 2:2 + len(host)] = list(host)
     out = np.array(mx.distributed.all_gather(mx.array(mine), group=group, stream=mx.cpu))
-    return [Rank(bytes(int(b) for b in row[2:] if b).decode(errors="replace"), int(row[0] * 2**20),
+    return [RankShare(bytes(int(b) for b in row[2:] if b).decode(errors="replace"), int(row[0] * 2**20),
                  int(row[1] * 2**20)) for row in out]
 
 

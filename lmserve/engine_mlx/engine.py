@@ -43,7 +43,7 @@ from lmserve.engine_mlx.weights import Choice, convert, reads_natively, summariz
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError, TensorInfo
 
-PREFILL_CHUNK = 2048  # positions per forward pass during prefill (mlx-lm's default step)
+FORWARD_CHUNK = 2048  # positions per forward pass during prefill (mlx-lm's default step)
 KV_FORMAT = "lmserve-mlx-kv-3"  # an mlx-lm prompt-cache file with our metadata
 
 Progress = Callable[[int, int], None]
@@ -68,7 +68,7 @@ def compute_dtype(gguf: GGUFFile) -> mx.Dtype:
 
 
 @dataclass
-class _Speculation:
+class _QueuedGreedyStep:
     """A greedy step queued on the device for `caches` (whose per-layer caches are `layers`), fed
     with the ids the last one returned; `before` is its recurrent layers' state before it."""
 
@@ -107,7 +107,7 @@ class MLXEngine(Engine[MLXKVCache]):
             mx.eval(self.model.parameters(), _module_constants(self.model))
         self.quant_summary = summarize(choices)
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
-        self._speculation: _Speculation | None = None
+        self._queued: _QueuedGreedyStep | None = None
         self._head = output_head(self.model, config)
         self._geometry = _geometry(config, self.dtype)
 
@@ -208,13 +208,13 @@ class MLXEngine(Engine[MLXKVCache]):
     def _settle(self) -> None:
         """Undo a speculative step nobody took: attention layers drop the position it appended,
         recurrent layers get their state from before it back."""
-        spec, self._speculation = self._speculation, None
-        if spec is not None:
-            for layer in spec.layers:
+        queued, self._queued = self._queued, None
+        if queued is not None:
+            for layer in queued.layers:
                 if not isinstance(layer, ArraysCache):
                     layer.trim(1)
-            if spec.before:
-                restore(spec.layers, spec.before)
+            if queued.before:
+                restore(queued.layers, queued.before)
 
     def _feed(self, cache: MLXKVCache, ids: np.ndarray, last: bool) -> np.ndarray | None:
         """Run `ids` into the cache's own layers in chunks (counting the positions, not their
@@ -223,8 +223,8 @@ class MLXEngine(Engine[MLXKVCache]):
         generate_step)."""
         layers = cache.own()
         body = ids[:-1] if last else ids
-        for start in range(0, len(body), PREFILL_CHUNK):
-            chunk = body[start:start + PREFILL_CHUNK]
+        for start in range(0, len(body), FORWARD_CHUNK):
+            chunk = body[start:start + FORWARD_CHUNK]
             self.model.model(mx.array(chunk)[None], cache=layers)
             cache.n += len(chunk)
             mx.eval(layer_arrays(layers))
@@ -236,9 +236,9 @@ class MLXEngine(Engine[MLXKVCache]):
 
     # -- the engine protocol -----------------------------------------------------------------
 
-    def new_cache(self, max_tokens: int) -> MLXKVCache:
+    def new_cache(self, capacity: int) -> MLXKVCache:
         windows = [self.config.sliding_window if sliding else 0 for sliding in self.config.sliding_layers]
-        return MLXKVCache(self.config.n_layers, max_tokens, windows, self.config.recurrent_layers,
+        return MLXKVCache(self.config.n_layers, capacity, windows, self.config.recurrent_layers,
                           self.checkpoints_per_cache)
 
     def prefill(self, cache: MLXKVCache, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
@@ -250,8 +250,8 @@ class MLXEngine(Engine[MLXKVCache]):
             self._settle()
             if all_logits:
                 out = []
-                for start in range(0, len(ids), PREFILL_CHUNK):
-                    chunk = ids[start:start + PREFILL_CHUNK]
+                for start in range(0, len(ids), FORWARD_CHUNK):
+                    chunk = ids[start:start + FORWARD_CHUNK]
                     out.append(np.array(self._head(self.model.model(mx.array(chunk)[None], cache=cache.own())[0])
                                         .astype(mx.float32)))
                     cache.n += len(chunk)
@@ -275,9 +275,9 @@ class MLXEngine(Engine[MLXKVCache]):
         waiting for them, so the device never idles while Python builds a step; that step is
         used when the next call continues those sequences with those ids, else undone."""
         with mx.stream(self.stream):
-            spec = self._speculation
-            if spec is not None and spec.continues(caches, token_ids):
-                self._speculation, ids = None, spec.ids
+            queued = self._queued
+            if queued is not None and queued.continues(caches, token_ids):
+                self._queued, ids = None, queued.ids
             else:
                 ids = self._greedy(caches, self._start(caches, token_ids))
             for cache, token in zip(caches, token_ids, strict=True):
@@ -285,11 +285,11 @@ class MLXEngine(Engine[MLXKVCache]):
             if self.queue_next_step and all(c.n < c.capacity for c in caches):
                 layers = caches[0].layers if len(caches) == 1 else caches[0].batch.layers  # the step's
                 before = snapshot(layers) if caches[0].hybrid is not None else ()
-                self._speculation = _Speculation(list(caches), layers, before, self._greedy(caches, ids))
-                mx.async_eval(self._speculation.ids)
+                self._queued = _QueuedGreedyStep(list(caches), layers, before, self._greedy(caches, ids))
+                mx.async_eval(self._queued.ids)
             out = np.array(ids, dtype=np.int64)
-            if self._speculation is not None:
-                self._speculation.inputs = out.tolist()
+            if self._queued is not None:
+                self._queued.inputs = out.tolist()
             return out
 
     def verify(self, caches: Sequence[MLXKVCache], token_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -411,7 +411,7 @@ class MLXEngine(Engine[MLXKVCache]):
             with Path(path).open("wb") as f:  # a file object: mx.save_safetensors adds no suffix
                 save_prompt_cache(f, layers, metadata)
 
-    def load_cache(self, path: Path, max_tokens: int) -> MLXKVCache:
+    def load_cache(self, path: Path, capacity: int) -> MLXKVCache:
         refused = ValueError(f"{path} is not a KV cache of this model on this engine")
         with mx.stream(self.stream), tempfile.TemporaryDirectory() as tmp:
             # mx.load names the format by the file's extension, which the caller's path may lack.
@@ -424,14 +424,14 @@ class MLXEngine(Engine[MLXKVCache]):
                 positions = [int(p) for p in metadata.get("checkpoints", "").split(",") if p]
             except (OSError, RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
                 raise refused from exc
-            cache, count = self.new_cache(max_tokens), self.config.n_layers
+            cache, count = self.new_cache(capacity), self.config.n_layers
             own, extras = layers[:count], layers[count:]
             if not ours or len(own) != count or len(extras) != (1 + len(positions) if cache.hybrid else 0) or any(
                     type(layer) is not ArraysCache if cache.recurrent[i] else
                     type(layer) is not KVCache or layer.offset != n for i, layer in enumerate(own)):
                 raise refused
-            if n > max_tokens:
-                raise ValueError(f"{path} holds {n} positions, more than {max_tokens}")
+            if n > capacity:
+                raise ValueError(f"{path} holds {n} positions, more than {capacity}")
             cache.layers = [self._fresh(cache.empty_layer(i), layer, n) for i, layer in enumerate(own)]
             restore(cache.layers, snapshot(own))
             if cache.hybrid is not None:

@@ -21,7 +21,7 @@ from lmserve.core.types import (
 from lmserve.http import messages_schema as schema
 from lmserve.http.anthropic_blocks import ContentBlocks
 from lmserve.http.common import KEEPALIVE_COMMENT, sse
-from lmserve.http.openai_chat import sampling_params, stop_strings
+from lmserve.http.request_fields import sampling_params, stop_strings
 from lmserve.http.structs import REFUSED, decode, refused
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"

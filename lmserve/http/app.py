@@ -110,8 +110,8 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
     @post(both("/v1/responses"), status_code=200, operation_class=openapi.json_body(ResponsesBody))
     async def responses(request: Request) -> Response:
         call = parse_responses(await read_json(request), model.tokenizer.vocab_size, responses_store)
-        return await generate(request, call.chat, ResponseRenderer(model.model_id, call, responses_store),
-                              openai_error)
+        renderer = ResponseRenderer(model.model_id, call, responses_store, runtime.resolved_sampling(call.chat.sampling))
+        return await generate(request, call.chat, renderer, openai_error)
 
     @post(both("/v1/messages"), status_code=200, operation_class=openapi.json_body(MessagesBody))
     async def messages(request: Request) -> Response:
@@ -142,20 +142,20 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
 
     @get("/health")
     async def health() -> Response:
-        scheduler = runtime.scheduler
+        status = runtime.status()
         return json_response(
             {
                 "status": "ok",
                 "model": model.model_id,
-                "engine": runtime.engine.name,
-                "device": runtime.engine.device,
+                "engine": status.engine,
+                "device": status.device,
                 "context": runtime.ctx,
                 "model_info": runtime.model_info(),
-                "queue_depth": scheduler.queue_depth,
-                "active_sequences": scheduler.active_sequences,
-                "tokens_generated": scheduler.tokens_generated,
-                "warm": runtime.warm.is_set(),
-                "kv": runtime.slots.stats(),
+                "queue_depth": status.queue_depth,
+                "active_sequences": status.active_sequences,
+                "tokens_generated": status.tokens_generated,
+                "warm": status.warm,
+                "kv": status.kv,
                 "auth_required": bool(runtime.options.api_key),
                 "version": __version__,
             }
@@ -217,11 +217,10 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
 
 def server_app(runtime: Runtime, guard: GuardOptions, cors_origins: list[str] | None = None) -> AccessLog:
     """The full ASGI stack: request ids, metrics and logs outermost, then the guard, then the app."""
-    scheduler, slots = runtime.scheduler, runtime.slots
     metrics = Metrics({
-        "lmserve_queue_depth": ("Requests waiting for the worker.", lambda: scheduler.queue_depth),
-        "lmserve_active_sequences": ("Sequences being generated.", lambda: scheduler.active_sequences),
-        "lmserve_kv_bytes": ("Bytes held by resident KV slots.", lambda: slots.stats()["kv_bytes"]),
+        "lmserve_queue_depth": ("Requests waiting for the worker.", lambda: runtime.status().queue_depth),
+        "lmserve_active_sequences": ("Sequences being generated.", lambda: runtime.status().active_sequences),
+        "lmserve_kv_bytes": ("Bytes held by resident KV slots.", lambda: runtime.status().kv["kv_bytes"]),
     })
     return AccessLog(Guard(create_app(runtime, metrics, cors_origins), guard), metrics)
 

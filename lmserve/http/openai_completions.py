@@ -13,7 +13,8 @@ from lmserve.core.events import Event, Failed, Finished, KeepAlive, TextDelta, T
 from lmserve.core.types import OutputFormat, SamplingParams
 from lmserve.http.chat_schema import CompletionsBody
 from lmserve.http.common import KEEPALIVE_COMMENT, sse
-from lmserve.http.openai_chat import response_format, sampling_params, stop_strings, usage_json
+from lmserve.http.openai_chat import usage_json
+from lmserve.http.request_fields import response_format, sampling_params, stop_strings
 from lmserve.http.structs import decode
 from lmserve.model.tokenizer import Tokenizer
 
@@ -57,7 +58,7 @@ def parse_completion(raw: dict[str, Any], tokenizer: Tokenizer) -> CompletionCal
     sampling = sampling_params(body, tokenizer.vocab_size)
     sampling.logprobs, sampling.top_logprobs = body.logprobs is not None, body.logprobs or 0
     include_usage = body.stream_options is not None and body.stream_options.include_usage is True
-    return CompletionCall(prompts, sampling, body.max_tokens or 16, stop_strings(body.stop),
+    return CompletionCall(prompts, sampling, body.max_tokens, stop_strings(body.stop),
                           body.stream is True, include_usage, response_format(body, body.response_format))
 
 

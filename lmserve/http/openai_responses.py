@@ -14,10 +14,10 @@ import msgspec
 
 from lmserve.core.errors import invalid
 from lmserve.core.events import Event, Failed, Finished, KeepAlive, Usage
-from lmserve.core.types import ChatRequest, Message, Tool, ToolCall, name_tool_results
+from lmserve.core.types import ChatRequest, Message, SamplingParams, Tool, ToolCall, name_tool_results
 from lmserve.http import responses_schema as schema
 from lmserve.http.common import KEEPALIVE_COMMENT, sse
-from lmserve.http.openai_chat import (
+from lmserve.http.request_fields import (
     ROLE_ALIASES,
     output_format,
     reasoning_fields,
@@ -131,8 +131,7 @@ def parse_responses(raw: dict[str, Any], vocab_size: int, store: ResponseStore) 
     keep = body.store is not False
     echo = {
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-        "previous_response_id": body.previous_response_id, "store": keep, "temperature": sampling.temperature,
-        "top_p": sampling.top_p, "tools": tools, "tool_choice": _echo(body.tool_choice) or "auto",
+        "previous_response_id": body.previous_response_id, "store": keep, "tools": tools, "tool_choice": _echo(body.tool_choice) or "auto",
         "parallel_tool_calls": body.parallel_tool_calls is not False, "metadata": body.metadata or {},
         "text": {"format": {"type": text_format.type, **_echo(text_format)}}, "truncation": "disabled",
         "reasoning": _echo(body.reasoning) or None,
@@ -169,12 +168,13 @@ class ResponseRenderer:
     """One job's events -> a Response object or its event stream; a finished response is kept
     in the store (unless `store: false`) so that a later request can continue it."""
 
-    def __init__(self, model_id: str, call: ResponsesCall, store: ResponseStore) -> None:
+    def __init__(self, model_id: str, call: ResponsesCall, store: ResponseStore, sampling: SamplingParams) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.model = model_id
         self.call = call
         self.store = store
+        self.sampling = sampling  # as applied: the model's recommended values where the client set none
 
     def _response(self, status: str, output: list[dict[str, Any]], usage: Usage | None = None,
                   error: dict[str, str] | None = None) -> dict[str, Any]:
@@ -184,7 +184,7 @@ class ResponseRenderer:
             "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "model": self.model, "output": output, "usage": usage_json(usage) if usage else None,
-            **self.call.echo,
+            "temperature": self.sampling.temperature, "top_p": self.sampling.top_p, **self.call.echo,
         }
 
     def _finish(self, output: OutputItems, finish: Finished) -> tuple[str, list[Frame]]:

@@ -23,7 +23,7 @@ ROUTE_GEMMA4 = "gemma4"
 
 
 @dataclass(frozen=True)
-class Sampling:
+class RecommendedSampling:
     """A model's recommended sampling settings; None: the API's own default."""
 
     temperature: float | None = None
@@ -39,7 +39,7 @@ class Sampling:
             ("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
             ("min_p", self.min_p), ("repeat_penalty", self.repeat_penalty)) if value is not None}
 
-    def with_temperature(self, temperature: float) -> Sampling:
+    def with_temperature(self, temperature: float) -> RecommendedSampling:
         """The server's `--temp` in place of the recommended temperature (other fields kept)."""
         source = f"{self.source}; temperature from --temp" if self.source else "--temp"
         return replace(self, temperature=temperature, source=source)
@@ -67,7 +67,7 @@ class Family:
     fixed_scale: float = 0.0  # the attention scale, when the family fixes it (Gemma 4: 1, its q/k norms scale)
     # (substring of the model's name, lower case) -> its recommendation; the first match wins,
     # "" matches every model of the family.
-    sampling: tuple[tuple[str, Sampling], ...] = field(default=())
+    sampling: tuple[tuple[str, RecommendedSampling], ...] = field(default=())
     scale: Callable[[int, int, int, int], float] | None = None
 
     def sliding(self, layer: int) -> bool:
@@ -86,9 +86,9 @@ class Family:
                     return label
         return self.name
 
-    def recommended_sampling(self, model_name: str) -> Sampling:
+    def recommended_sampling(self, model_name: str) -> RecommendedSampling:
         name = model_name.lower()
-        return next((s for marker, s in self.sampling if marker in name), Sampling())
+        return next((s for marker, s in self.sampling if marker in name), RecommendedSampling())
 
 
 def _gemma3_scale(hidden: int, heads: int, head_dim: int, layers: int) -> float:
@@ -96,36 +96,36 @@ def _gemma3_scale(hidden: int, heads: int, head_dim: int, layers: int) -> float:
     return (hidden / heads if layers == 62 else head_dim) ** -0.5
 
 
-QWEN3_THINKING = Sampling(0.6, 0.95, 20, 0.0, source="Qwen3 model card, thinking mode")
+QWEN3_THINKING = RecommendedSampling(0.6, 0.95, 20, 0.0, source="Qwen3 model card, thinking mode")
 # The Qwen3.5 / 3.6 model cards' thinking mode for precise coding tasks (the general-task rows add a
 # presence penalty of 1.5, which recommended defaults here do not carry).
-QWEN35_THINKING = Sampling(0.6, 0.95, 20, 0.0, source="Qwen3.5 model card, thinking mode for coding")
-QWEN_CODER = Sampling(0.7, 0.8, 20, None, 1.05, source="Qwen3-Coder / Qwen2.5 generation_config.json")
+QWEN35_THINKING = RecommendedSampling(0.6, 0.95, 20, 0.0, source="Qwen3.5 model card, thinking mode for coding")
+QWEN_CODER = RecommendedSampling(0.7, 0.8, 20, None, 1.05, source="Qwen3-Coder / Qwen2.5 generation_config.json")
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
     Family("llama", "Llama", rope_interleaved=True, sampling=(
-        ("smollm", Sampling(0.2, 0.9, source="SmolLM2 model card")),
-        ("devstral", Sampling(0.15, source="Devstral model card")),
-        ("mistral", Sampling(0.15, source="Mistral Small 3.x model card")),
-        ("llama", Sampling(0.6, 0.9, source="Llama 3.x generation_config.json")),
+        ("smollm", RecommendedSampling(0.2, 0.9, source="SmolLM2 model card")),
+        ("devstral", RecommendedSampling(0.15, source="Devstral model card")),
+        ("mistral", RecommendedSampling(0.15, source="Mistral Small 3.x model card")),
+        ("llama", RecommendedSampling(0.6, 0.9, source="Llama 3.x generation_config.json")),
     )),
     Family("qwen2", "Qwen2", sampling=(
-        ("", Sampling(0.7, 0.8, 20, None, 1.05, source="Qwen2.5 generation_config.json")),)),
+        ("", RecommendedSampling(0.7, 0.8, 20, None, 1.05, source="Qwen2.5 generation_config.json")),)),
     Family("qwen3", "Qwen3", sampling=(("coder", QWEN_CODER), ("", QWEN3_THINKING))),
     Family("qwen3moe", "Qwen3 MoE", sampling=(("coder", QWEN_CODER), ("", QWEN3_THINKING))),
     Family("gemma3", "Gemma 3", sliding_pattern=6, activation=GELU_TANH, scaled_embedding=True,
            local_rope_base=10000.0,  # older Gemma 3 files lack rope.freq_base_swa; llama.cpp's value
            scale=_gemma3_scale, sampling=(
-               ("", Sampling(1.0, 0.95, 64, 0.0, source="Gemma 3 recommended settings")),)),
+               ("", RecommendedSampling(1.0, 0.95, 64, 0.0, source="Gemma 3 recommended settings")),)),
     Family("phi3", "Phi-3"),
     Family("qwen35", "Qwen3.5", hybrid=True, attn_output_gate=True, sampling=(("", QWEN35_THINKING),)),
     Family("qwen35moe", "Qwen3.5 MoE", hybrid=True, attn_output_gate=True, sampling=(("", QWEN35_THINKING),)),
     Family("gemma4", "Gemma 4", activation=GELU_TANH, scaled_embedding=True, router=ROUTE_GEMMA4,
            value_norm=True, moe_dense_ffn=True, fixed_scale=1.0, sampling=(
-               ("", Sampling(1.0, 0.95, 64, source="Gemma 4 model card")),)),
+               ("", RecommendedSampling(1.0, 0.95, 64, source="Gemma 4 model card")),)),
     Family("gpt-oss", "gpt-oss", sliding_pattern=2, activation=SWIGLU_OAI, router=ROUTE_TOPK_SOFTMAX,
            yarn_truncate=False,
-           sampling=(("", Sampling(1.0, 1.0, source="OpenAI gpt-oss model card")),)),
+           sampling=(("", RecommendedSampling(1.0, 1.0, source="OpenAI gpt-oss model card")),)),
 )}
 
 GGUF_SAMPLING_KEYS = {"temperature": "general.sampling.temp", "top_p": "general.sampling.top_p",
@@ -133,12 +133,12 @@ GGUF_SAMPLING_KEYS = {"temperature": "general.sampling.temp", "top_p": "general.
                       "repeat_penalty": "general.sampling.penalty_repeat"}
 
 
-def recommended_sampling(architecture: str, metadata: dict[str, Any]) -> Sampling:
+def recommended_sampling(architecture: str, metadata: dict[str, Any]) -> RecommendedSampling:
     """The file's own `general.sampling.*` keys when it has any, else the family's table."""
     found = {field_: metadata[key] for field_, key in GGUF_SAMPLING_KEYS.items() if key in metadata}
     if found:
-        return Sampling(**{k: (int(v) if k == "top_k" else float(v)) for k, v in found.items()},
+        return RecommendedSampling(**{k: (int(v) if k == "top_k" else float(v)) for k, v in found.items()},
                         source="the GGUF's general.sampling keys")
     family = FAMILIES.get(architecture)
     name = str(metadata.get("general.name") or metadata.get("general.basename") or "")
-    return family.recommended_sampling(name) if family else Sampling()
+    return family.recommended_sampling(name) if family else RecommendedSampling()
