@@ -56,6 +56,19 @@ def smollm2_server():
         yield server
 
 
+@pytest.fixture(scope="session")
+def smollm2_long_context():
+    """SmolLM2 with room for Codex's instructions and tools (about 9,100 of its tokens), greedy for
+    requests that send no temperature (neither client does): sampled at its card's 0.2, SmolLM2
+    sometimes loops until Claude Code's 32,000-token budget runs out. Shared by the agent-client
+    smoke runs and the Codex capture replay: Codex's instructions and tools, prefilled once (a
+    minute and a half here), are a KV prefix the later requests adopt."""
+    from tests.server_util import start_server
+
+    with start_server("--engine", "cpu", "--ctx", "16384", "--temp", "0") as server:
+        yield server
+
+
 
 @pytest.fixture(scope="session")
 def qwen3(tmp_path_factory: pytest.TempPathFactory):

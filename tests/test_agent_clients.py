@@ -122,15 +122,6 @@ def test_codex_runs_a_shell_command_and_answers(scripted: Scripted, tmp_path: Pa
     assert_mostly_cached(warm)
 
 
-@pytest.fixture(scope="module")
-def smollm2_long_context():
-    """SmolLM2 with room for Codex's instructions and tools (about 9,100 of its tokens), greedy for
-    requests that send no temperature (neither client does): sampled at its card's 0.2, SmolLM2
-    sometimes loops until Claude Code's 32,000-token budget runs out."""
-    with start_server("--engine", "cpu", "--ctx", "16384", "--temp", "0") as server:
-        yield server
-
-
 def test_temp_sets_the_temperature_of_requests_that_send_none(smollm2_long_context: Server):
     def reply(**sampling) -> str:
         r = httpx.post(smollm2_long_context.base_url + "/v1/chat/completions", timeout=120, json={

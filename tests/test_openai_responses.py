@@ -187,7 +187,7 @@ def test_errors_name_the_field(smollm2_server, body, status, param):
 
 
 @pytest.mark.timeout(900)
-def test_codex_capture_replays(smollm2_server):
+def test_codex_capture_replays(smollm2_server, smollm2_long_context):
     """The Codex CLI request as captured: path, headers, body, streaming. With its tools offered
     (rendered into the prompt) it is ~9k tokens: the default 8192-token server refuses it with a
     clear 400 stating both numbers, and a server with a larger context streams it to
@@ -202,8 +202,7 @@ def test_codex_capture_replays(smollm2_server):
     # and a sampled reply from this small model may ramble for thousands of tokens; the greedy
     # one is short, so the test stays fast and deterministic.
     body = {**CODEX["body"], "temperature": 0}
-    with start_server("--engine", "cpu", "--ctx", "12288") as large:
-        events = stream_events(large.base_url + CODEX["path"], body, CODEX["headers"])
+    events = stream_events(smollm2_long_context.base_url + CODEX["path"], body, CODEX["headers"])
     assert skeleton(events)[:2] == SKELETON[:2] and events[-1]["type"] == "response.completed"
     final = events[-1]["response"]
     assert final["store"] is False and final["output"] and final["usage"]["input_tokens"] == prompt_tokens
