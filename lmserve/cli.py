@@ -291,14 +291,7 @@ def serve(args: argparse.Namespace) -> None:
     if not loopback and not args.api_key:
         raise SystemExit(f"lmserve: refusing to listen on non-loopback address {args.host} without an API key "
                          "(pass --api-key or set LMSERVE_API_KEY)")
-    path, name = resolve(args.model) if args.model else (default_model_path(), None)
-    rank = 0
-    if args.distributed:  # the group forms first: only rank 0 listens
-        from lmserve.engine_mlx import distributed
-
-        rank = distributed.check_args(args)
-    sock = bind_socket(args.host, args.port) if rank == 0 else None
-    model = load_model(path, name, args.chat_template)
+    # flags alone, checked before anything is resolved or loaded
     if args.ctx is not None and args.ctx < 16:
         raise SystemExit(f"lmserve: --ctx {args.ctx} is too small (at least 16)")
     if args.temp is not None and not 0 <= args.temp <= 2:
@@ -310,6 +303,14 @@ def serve(args: argparse.Namespace) -> None:
     if args.prefill_chunk < 0 or args.sse_keepalive <= 0 or (args.max_tokens is not None and args.max_tokens < 1):
         raise SystemExit("lmserve: --prefill-chunk must be 0 or more, --sse-keepalive more than 0, "
                          "--max-tokens at least 1")
+    path, name = resolve(args.model) if args.model else (default_model_path(), None)
+    rank = 0
+    if args.distributed:  # the group forms first: only rank 0 listens
+        from lmserve.engine_mlx import distributed
+
+        rank = distributed.check_args(args)
+    sock = bind_socket(args.host, args.port) if rank == 0 else None
+    model = load_model(path, name, args.chat_template)
     progress = LoadProgress("loading weights", model.gguf.file_bytes)
     if args.distributed:
         engine = distributed.load(model.gguf, model.config, args.distributed, progress)

@@ -49,3 +49,10 @@ def test_unsupported_architecture_names_it_and_the_supported_list(tmp_path: Path
 def test_version_flag():
     result = run_cli("--version")
     assert result.returncode == 0 and result.stdout.startswith("lmserve ")
+
+
+def test_flag_ranges_are_checked_before_the_model_is_looked_for(tmp_path: Path):
+    """A bad value is named even when the model does not exist: nothing was resolved or loaded."""
+    missing = str(tmp_path / "nope.gguf")
+    assert_one_line_failure(run_cli(missing, "--reasoning-budget", "-2"), "--reasoning-budget")
+    assert_one_line_failure(run_cli(missing, "--kv-checkpoints", "0"), "--kv-checkpoints")
