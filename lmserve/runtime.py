@@ -10,52 +10,28 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from lmserve.chat import reasoning
 from lmserve.chat.planner import ReplyPlanner
 from lmserve.chat.prompt import PromptBuilder
-from lmserve.chat.reasoning import UNLIMITED
 from lmserve.chat.reply import ReplyPlan
 from lmserve.core.errors import RequestError
 from lmserve.core.types import ChatRequest, OutputFormat, SamplingParams
 from lmserve.engine.protocol import Engine
-from lmserve.model.families import recommended_sampling
+from lmserve.model.families import EMBEDDED_DEMO, recommended_sampling
 from lmserve.model.loader import LoadedModel
 from lmserve.serving.handle import Observer, RequestHandle
 from lmserve.serving.jobs import EventChannel, GenerationJob
 from lmserve.serving.kv_disk import DiskTier
 from lmserve.serving.kv_slots import SlotPool
-from lmserve.serving.ram_guard import plan_slots, slot_state_bytes
-from lmserve.serving.scheduler import PREFILL_CHUNK, QueueFull, Scheduler, ShuttingDown
+from lmserve.serving.ram_guard import fit_report, plan_slots, slot_state_bytes
+from lmserve.serving.scheduler import QueueFull, Scheduler, ShuttingDown
 from lmserve.serving.speculate import DEFAULT_MODE, drafters
+from lmserve.settings import Settings
 
 COMPLETIONS_MAX_TOKENS = 16  # the legacy completions API's default reply budget
-
-
-@dataclass
-class ServerOptions:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    ctx: int = 8192
-    max_queue: int = 16
-    max_batch: int = 1
-    api_key: str | None = None
-    kv_slots: int = 4
-    kv_slots_force: bool = False
-    kv_reuse: bool = True
-    kv_cache_dir: Path | None = None
-    kv_disk_slots: int = 8
-    kv_checkpoints: int = 8  # hybrid models: recurrent-state checkpoints per KV slot
-    prefill_chunk: int = PREFILL_CHUNK
-    speculate: str = DEFAULT_MODE  # "ngram" (prompt lookup), "draft" (a draft model's engine is given) or "off"
-    max_tokens: int | None = None  # reply budget of a request that sets none (None: the rest of the context)
-    temperature: float | None = None  # --temp: default temperature over the model's recommended one
-    reasoning_budget: int = UNLIMITED  # tokens a reply may reason when its request sets no budget (0: off)
-    keepalive: float = 5.0  # seconds of silence after which a stream writes a keep-alive frame
-    started_at: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True)
@@ -73,20 +49,26 @@ class RuntimeStatus:
 class Runtime:
     """Owns model, engine and scheduler for the lifetime of the server."""
 
-    def __init__(self, model: LoadedModel, engine: Engine, options: ServerOptions,
+    def __init__(self, model: LoadedModel, engine: Engine, settings: Settings,
                  draft_engine: Engine | None = None) -> None:
+        """`settings` with its context resolved (`Settings.with_resolved`); raises MemoryRefusal
+        when not even one KV slot of that context fits."""
+        if settings.ctx is None:
+            raise ValueError("Runtime needs the context resolved (Settings.with_resolved(ctx=...))")
         self.model = model
         self.engine = engine
-        self.options = options
-        self.ctx = options.ctx
+        self.settings = options = settings
+        self.ctx: int = settings.ctx
+        self.started_at = time.time()
         self.prompts = PromptBuilder(model.tokenizer, model.template)
-        self.sampling_defaults = recommended_sampling(model.config.architecture, model.gguf.metadata)
-        if options.temperature is not None:
-            self.sampling_defaults = self.sampling_defaults.with_temperature(options.temperature)
+        self.sampling_defaults = EMBEDDED_DEMO if model.embedded else recommended_sampling(
+            model.config.architecture, model.gguf.metadata)
+        if options.temp is not None:
+            self.sampling_defaults = self.sampling_defaults.with_temperature(options.temp)
         self.replies = ReplyPlanner(model.tokenizer, model.template)
         cfg = model.config
         engine.checkpoints_per_cache = options.kv_checkpoints
-        self.slot_budget = plan_slots(max(options.kv_slots, options.max_batch), engine.kv_bytes_per_token(), options.ctx,
+        self.slot_budget = plan_slots(options.kv_slots, engine.kv_bytes_per_token(), self.ctx,
                                       engine.available_memory, force=options.kv_slots_force,
                                       state_bytes=slot_state_bytes(engine))
         disk = None
@@ -94,10 +76,11 @@ class Runtime:
             disk = DiskTier(options.kv_cache_dir, model.gguf.header_digest(),
                             [engine.name, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim], options.kv_disk_slots)
         self.warm = threading.Event()  # set once first-use work (tool parsers, grammar tokenizer) is done
-        self.slots = SlotPool(engine, self.slot_budget.slots, options.ctx, disk, options.kv_reuse)
-        self.scheduler = Scheduler(engine, model.tokenizer, self.slots, options.max_queue, options.max_batch,
+        self.slots = SlotPool(engine, self.slot_budget.slots, self.ctx, disk, options.kv_reuse)
+        self.scheduler = Scheduler(engine, model.tokenizer, self.slots, options.queue, options.batch,
                                    options.prefill_chunk,
-                                   drafters(options.speculate, options.ctx, model.config.vocab_size, draft_engine))
+                                   drafters(options.speculate or DEFAULT_MODE, self.ctx, model.config.vocab_size,
+                                            draft_engine))
 
     def start(self) -> None:
         self.engine.on_lost(self.scheduler.abandon)  # a lost rank ends the open requests in-band
@@ -133,16 +116,22 @@ class Runtime:
                              scheduler.active_sequences, scheduler.tokens_generated, self.slots.stats(),
                              self.warm.is_set())
 
+    def fit(self, ctx: int | None = None, slots: int | None = None) -> dict[str, int | bool]:
+        """The RAM guard's arithmetic for this model at `ctx` tokens and `slots` slots (default:
+        as served), against the memory available now (GET /fit)."""
+        return fit_report(self.engine.weight_bytes, self.engine.kv_bytes_per_token(), slot_state_bytes(self.engine),
+                          ctx or self.ctx, slots or self.slot_budget.slots, self.engine.available_memory)
+
     @property
     def draining(self) -> bool:
         """Shutdown has begun: new requests are refused with 503."""
         return self.scheduler.stopping
 
     def count_prompt_tokens(self, request: ChatRequest) -> int:
-        return len(self.prompts.build(reasoning.settle(request, self.options.reasoning_budget)))
+        return len(self.prompts.build(reasoning.settle(request, self.settings.reasoning_budget)))
 
     def start_chat(self, request: ChatRequest, observer: Observer | None = None) -> RequestHandle:
-        request = reasoning.settle(request, self.options.reasoning_budget)
+        request = reasoning.settle(request, self.settings.reasoning_budget)
         prompt = self.prompts.render(request)
         plan = self.replies.plan(request, prompt)  # compiles grammars: a bad one is a 400 here
         ids = self.prompts.encode(prompt)
@@ -175,7 +164,7 @@ class Runtime:
         """The request's budget, else the server's --max-tokens, else the API's own default (the
         legacy completions API's 16), else the rest of the context; never past the context."""
         rest = self.ctx - prompt_tokens
-        asked = next((v for v in (max_tokens, self.options.max_tokens, api_default) if v is not None), rest)
+        asked = next((v for v in (max_tokens, self.settings.max_tokens, api_default) if v is not None), rest)
         return min(asked, rest)
 
     def start_job(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int | None,

@@ -449,8 +449,9 @@ def speculate_rows(engine: Engine, args: argparse.Namespace) -> list[tuple[str, 
     from lmserve.core.events import Finished, TextDelta
     from lmserve.core.types import ChatRequest, Message, SamplingParams
     from lmserve.model.loader import load_model
-    from lmserve.runtime import Runtime, ServerOptions
+    from lmserve.runtime import Runtime
     from lmserve.serving.handle import SpeculationUsage as Usage
+    from lmserve.settings import Settings
 
     model = load_model(args.model or default_model_path())
     greedy = SamplingParams(temperature=0, given=frozenset({"temperature"}))
@@ -468,7 +469,7 @@ def speculate_rows(engine: Engine, args: argparse.Namespace) -> list[tuple[str, 
         return time.perf_counter() - first, usage.completion_tokens - 1, "".join(text), usage
 
     def run(mode: str, prompts: list[str], tokens: int) -> tuple[float, list[str], list[Usage]]:
-        runtime = Runtime(model, engine, ServerOptions(ctx=2048, kv_slots=len(prompts), max_batch=len(prompts),
+        runtime = Runtime(model, engine, Settings(ctx=2048, kv_slots=len(prompts), batch=len(prompts),
                                                         speculate=mode))
         runtime.scheduler.start()  # not runtime.start(): its warm-up thread would compete with the decode timed
 

@@ -66,7 +66,8 @@ def _base_env(home: Path) -> dict[str, str]:
 def run_claude(server: Server, prompt: str, cwd: Path, home: Path, *args: str, timeout: float = 600) -> Run:
     """`claude -p PROMPT ARGS` with the server as its Anthropic endpoint."""
     env = {**_base_env(home), "ANTHROPIC_BASE_URL": server.base_url, "ANTHROPIC_API_KEY": "local",
-           "ANTHROPIC_MODEL": "local", "ANTHROPIC_SMALL_FAST_MODEL": "local",
+           "ANTHROPIC_MODEL": "local", "ANTHROPIC_DEFAULT_HAIKU_MODEL": "local",
+           "ANTHROPIC_DEFAULT_SONNET_MODEL": "local", "ANTHROPIC_DEFAULT_OPUS_MODEL": "local",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
     return _run([str(agent_binary("claude")), "-p", prompt, *args], env, cwd, timeout)
 

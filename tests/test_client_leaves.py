@@ -189,9 +189,10 @@ def test_requests_arriving_during_the_drain_get_503_in_their_own_envelope():
     while the server drains, with 503 and `Connection: close`, not a 429 to be retried."""
     with start_server("--engine", "cpu", "--ctx", "1024") as s:
         socks = {name: raw_post(s, path, body("hi"), hold_back=5) for name, (path, body) in DIALECTS.items()}
-        time.sleep(0.3)  # the requests are in the server's hands, waiting for their bodies
+        in_flight = f"lmserve_requests_in_flight {len(socks)}"
+        wait_for(lambda: in_flight in httpx.get(s.base_url + "/metrics", timeout=30).text)  # waiting for bodies
         s.process.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        wait_for(lambda: "stopping (SIGTERM)" in s.log())  # the server drains before the bodies arrive
         for pending in socks.values():
             pending.send_rest()
         for name, pending in socks.items():

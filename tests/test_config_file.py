@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.cli import main, parse_args
+from lmserve.cli import main
+from lmserve.settings import UsageError, parse_settings
 from tests.test_cli import assert_one_line_failure
 
 
@@ -23,10 +24,14 @@ def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
+def parse_args(argv: list[str]):
+    return parse_settings(argv, env={})
+
+
 def error(argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(UsageError) as exc:
         parse_args(argv)
-    return str(exc.value.code)
+    return str(exc.value)
 
 
 def test_no_file_no_change(config: Path) -> None:
@@ -96,9 +101,7 @@ def test_a_bad_file_is_one_line_from_the_command(tmp_path: Path) -> None:
 
 def test_print_config_shows_the_effective_settings(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config.write_text('model = "nowhere:1b"\nctx = 32768\nkv-slots = 8\napi-key = "secret"\n')
-    with pytest.raises(SystemExit) as exc:
-        main(["--print-config", "--kv-slots", "2"])
-    assert exc.value.code == 0
+    main(["--print-config", "--kv-slots", "2"])
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0] == f"# lmserve settings from the command line over {config}"

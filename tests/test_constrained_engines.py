@@ -16,7 +16,8 @@ from lmserve.core.events import Event, Finished, TextDelta, ToolCallEvent
 from lmserve.core.types import ChatRequest, Message, OutputFormat, SamplingParams, Tool, ToolChoice
 from lmserve.engine.select import load_engine
 from lmserve.model.loader import load_model
-from lmserve.runtime import Runtime, ServerOptions
+from lmserve.runtime import Runtime
+from lmserve.settings import Settings
 from tests.fixture_models import write_model
 
 pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
@@ -42,7 +43,7 @@ def test_grammar_and_forced_call_on_both_engines(qwen3_path: Path, kind: str) ->
         pytest.importorskip("mlx.core")
     model = load_model(qwen3_path)
     runtime = Runtime(model, load_engine(kind, model.gguf, model.config),
-                      ServerOptions(ctx=1024, kv_slots=2, max_batch=2))
+                      Settings(ctx=1024, kv_slots=2, batch=2))
     runtime.start()
     greedy = SamplingParams(temperature=0)
     user = [Message("user", "hi")]

@@ -16,7 +16,7 @@ from lmserve.engine_cpu import CPUEngine
 from lmserve.model.loader import load_model
 from lmserve.serving.kv_disk import DiskTier
 from lmserve.serving.kv_slots import SlotPool
-from lmserve.serving.ram_guard import default_context, plan_slots
+from lmserve.serving.ram_guard import MemoryRefusal, default_context, fit_report, plan_slots
 
 CTX = 512
 
@@ -140,6 +140,28 @@ def test_ram_guard_warns_clamps_and_can_be_forced():
     assert "= 1440 MiB, with 1024 MiB of memory available" in clamp.warning
     forced = plan_slots(4, per_token, 8192, available=gib, force=True)
     assert forced.slots == 4 and not forced.clamped and "kv-slots-force" in forced.warning
+    above_half = plan_slots(4, per_token, 8192, available=gib // 2)  # one 360 MiB slot, of 512
+    assert above_half.slots == 1 and "which fit in memory, above half of it" in above_half.warning
+
+
+def test_ram_guard_refuses_a_context_of_which_not_one_slot_fits():
+    """`--ctx 99999999` once started with "1 slot, which fits in half": now refused, naming the
+    largest context one slot can hold, unless forced."""
+    gib = 1024**3
+    per_token = 46_080
+    with pytest.raises(MemoryRefusal, match=r"not even one slot of 9999999 tokens fits; at most --ctx 23301 does"):
+        plan_slots(4, per_token, 9_999_999, available=gib)
+    forced = plan_slots(1, per_token, 9_999_999, available=gib, force=True)
+    assert forced.slots == 1 and "more than all of it (kept: --kv-slots-force)" in forced.warning
+
+
+def test_fit_report_is_the_guards_arithmetic():
+    gib = 1024**3
+    report = fit_report(100 * 2**20, 46_080, 0, 8192, 4, available=gib)
+    assert report["bytes_per_slot"] == 46_080 * 8192 and report["kv_bytes"] == 4 * 46_080 * 8192
+    assert (report["fits"], report["comfortable"], report["slots_that_fit"]) == (False, False, 2)
+    assert report["slots_that_fit_comfortably"] == 1 and report["largest_ctx_one_slot"] == gib // 46_080
+    assert report["largest_ctx_all_slots"] == gib // 4 // 46_080
 
 
 def test_default_context_fits_one_slot_in_half_the_memory():

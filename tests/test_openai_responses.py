@@ -297,11 +297,11 @@ def test_no_budget_means_the_rest_of_the_context_or_the_servers_max_tokens():
 
 
 def test_a_response_echoes_the_sampling_it_used(smollm2_server) -> None:
-    """A field the client leaves out is echoed as applied: SmolLM2's recommended 0.2 / 0.9, not the
-    API's 1.0 / 1.0; a field it sets, as sent."""
+    """A field the client leaves out is echoed as applied: the embedded demo model's greedy 0 (and
+    the API's top_p 1.0, which it keeps); a field it sets, as sent."""
     url = smollm2_server.base_url + "/v1/responses"
     body = {"input": "hi", "max_output_tokens": 1, "store": False}
     echoed = httpx.post(url, json=body, timeout=120).json()
-    assert (echoed["temperature"], echoed["top_p"]) == (0.2, 0.9)
-    echoed = httpx.post(url, json={**body, "temperature": 0.7}, timeout=120).json()
-    assert (echoed["temperature"], echoed["top_p"]) == (0.7, 0.9)
+    assert (echoed["temperature"], echoed["top_p"]) == (0.0, 1.0)
+    echoed = httpx.post(url, json={**body, "temperature": 0.7, "top_p": 0.8}, timeout=120).json()
+    assert (echoed["temperature"], echoed["top_p"]) == (0.7, 0.8)

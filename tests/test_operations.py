@@ -147,3 +147,16 @@ def test_request_id_round_trip_and_log_line(smollm2_server):
     assert entry["route"] == "/chat/completions" and entry["status"] == 200
     assert (entry["prompt_tokens"], entry["completion_tokens"]) == (37, 7)
     assert entry["cached_tokens"] >= 0 and entry["ttft_ms"] > 0 and entry["duration_ms"] >= entry["ttft_ms"]
+
+
+def test_fit_answers_what_a_context_would_cost(smollm2_server):
+    """GET /fit: the RAM guard's arithmetic for SmolLM2 on the NumPy engine (46,080 bytes of K/V a
+    token); a bad value is a 400 naming it."""
+    served = httpx.get(smollm2_server.base_url + "/fit").json()
+    assert served["ctx"] == httpx.get(smollm2_server.base_url + "/health").json()["context"]
+    fit = httpx.get(smollm2_server.base_url + "/fit", params={"ctx": 4096, "slots": 2}).json()
+    assert (fit["kv_bytes_per_token"], fit["bytes_per_slot"], fit["kv_bytes"]) == (46_080, 46_080 * 4096,
+                                                                                   2 * 46_080 * 4096)
+    assert fit["fits"] and fit["weight_bytes"] > 0 and fit["largest_ctx_one_slot"] > 4096
+    bad = httpx.get(smollm2_server.base_url + "/fit", params={"ctx": 0})
+    assert bad.status_code == 400 and "ctx" in bad.text

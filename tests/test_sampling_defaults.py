@@ -36,11 +36,26 @@ def reply(server, **sampling) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-def test_omitted_sampling_is_sampled_as_the_model_card_says(smollm2_server) -> None:
-    """SmolLM2's card: temperature 0.2, top_p 0.9. With the same seed, leaving both out samples
-    exactly as sending them; the API defaults (1.0, 1.0) sample differently."""
-    for seed in (1, 2, 3):
-        assert reply(smollm2_server, seed=seed) == reply(smollm2_server, seed=seed, temperature=0.2, top_p=0.9)
-    defaults = [reply(smollm2_server, seed=s, temperature=1.0, top_p=1.0) for s in (1, 2, 3)]
-    assert defaults != [reply(smollm2_server, seed=s) for s in (1, 2, 3)]
-    assert "sampling       defaults temperature 0.2, top_p 0.9 (SmolLM2 model card)" in smollm2_server.log()
+def test_the_embedded_demo_model_is_greedy_unless_asked(smollm2_server) -> None:
+    """No model named: the embedded SmolLM2-135M samples greedily by default (sampled as its card
+    says, 0.2 / 0.9, it answered the README's question wrongly 2 times in 5), so leaving sampling
+    out equals temperature 0 whatever the seed; a request's own temperature still samples."""
+    greedy = reply(smollm2_server, temperature=0)
+    assert [reply(smollm2_server, seed=seed) for seed in (1, 2, 3)] == [greedy] * 3
+    sampled = [reply(smollm2_server, seed=s, temperature=1.0, top_p=1.0) for s in (1, 2, 3)]
+    assert sampled != [greedy] * 3
+    assert "sampling       defaults temperature 0 (greedy: the embedded demo model answers best so)" \
+        in smollm2_server.log()
+
+
+def test_the_embedded_model_answers_the_readme_question_every_time(smollm2_server) -> None:
+    """The README's first question, asked as its curls do (no sampling fields) and by fresh
+    conversations ten times: Paris every time."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    answers = []
+    for _ in range(10):
+        r = httpx.post(smollm2_server.base_url + "/v1/messages", timeout=120,
+                       json={"model": "x", "max_tokens": 24, "messages": question})
+        assert r.status_code == 200, r.text
+        answers.append(r.json()["content"][0]["text"])
+    assert all("Paris" in a for a in answers), answers

@@ -11,22 +11,24 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from lmserve.cli import check_speculation, load_draft, parse_args
+from lmserve.cli import load_draft, speculation_mode
 from lmserve.core.events import Event, Failed, Finished, TextDelta
 from lmserve.core.types import ChatRequest, Message, OutputFormat, SamplingParams
 from lmserve.engine.protocol import Engine
 from lmserve.engine.select import load_engine
 from lmserve.model.default_model import default_model_path
 from lmserve.model.loader import LoadedModel, load_model
-from lmserve.runtime import Runtime, ServerOptions
+from lmserve.runtime import Runtime
 from lmserve.serving import speculate
 from lmserve.serving.sampling import Sampler
 from lmserve.serving.speculate import PromptLookup
+from lmserve.settings import Settings, UsageError, parse_settings
 from tests.conftest import TINY_LLAMA
 from tests.engine_proxies import FaultyEngine, Rule, Script, ScriptedEngine
 from tests.fixture_models import write_model
@@ -74,7 +76,7 @@ def generate(model: LoadedModel, engine: Engine, mode: str, requests: list[ChatR
     """The requests (chats, or greedy raw prompts with their max_tokens) decoded together by a
     fresh runtime (no KV reuse between calls); its worker is stopped, its slots left as the
     requests left them. The cost gate is pinned open unless `measured_gate`."""
-    runtime = Runtime(model, engine, ServerOptions(ctx=ctx, kv_slots=len(requests), max_batch=len(requests),
+    runtime = Runtime(model, engine, Settings(ctx=ctx, kv_slots=len(requests), batch=len(requests),
                                                    speculate=mode), draft)
     if not measured_gate:
         runtime.scheduler.pass_costs = DraftsAlwaysPay()
@@ -372,7 +374,7 @@ def test_a_failing_drafter_costs_its_sequence_the_drafts_only(qwen3: LoadedModel
             raise RuntimeError("broken drafter")
 
     engine = ScriptedEngine(load_engine("cpu", qwen3.gguf, qwen3.config), qwen3.tokenizer, SCRIPT)
-    runtime = Runtime(qwen3, engine, ServerOptions(ctx=1024, kv_slots=1, max_batch=1))
+    runtime = Runtime(qwen3, engine, Settings(ctx=1024, kv_slots=1, batch=1))
     runtime.scheduler.drafters = Broken
     runtime.scheduler.start()
 
@@ -409,17 +411,20 @@ def test_metrics_and_access_log_count_drafts(smollm2_server) -> None:
     assert (line["drafted_tokens"], line["accepted_tokens"]) == (drafted, accepted)
 
 
-def test_speculate_and_draft_flags() -> None:
-    def mode(*argv: str, cheap_verify: bool = True) -> str:
-        return check_speculation(parse_args(list(argv)), cheap_verify)
+def test_speculate_and_draft_flags(tmp_path: Path) -> None:
+    small = tmp_path / "small.gguf"
+    small.write_bytes(b"GGUF")
 
-    assert (mode(), mode("--speculate", "off"), mode("--draft", "small.gguf")) == ("ngram", "off", "draft")
+    def mode(*argv: str, cheap_verify: bool = True) -> str:
+        return speculation_mode(parse_settings(list(argv), env={}), cheap_verify)
+
+    assert (mode(), mode("--speculate", "off"), mode("--draft", str(small))) == ("ngram", "off", "draft")
     assert (mode(cheap_verify=False), mode("--speculate", "ngram", cheap_verify=False)) == ("off", "ngram")
-    for contradiction in (["--speculate", "draft"], ["--draft", "small.gguf", "--speculate", "ngram"]):
-        with pytest.raises(SystemExit, match="go together"):
+    for contradiction in (["--speculate", "draft"], ["--draft", str(small), "--speculate", "ngram"]):
+        with pytest.raises(UsageError, match="go together"):
             mode(*contradiction)
-    with pytest.raises(SystemExit):
-        parse_args(["--speculate", "eagle"])
+    with pytest.raises(UsageError, match="invalid choice"):
+        parse_settings(["--speculate", "eagle"])
 
 
 # -- a draft model -----------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ from lmserve.model.chat_template import ChatTemplate
 from lmserve.model.gguf_file import GGUFFile
 from lmserve.model.loader import load_model
 from lmserve.model.tokenizer import Tokenizer
-from lmserve.runtime import Runtime, ServerOptions
+from lmserve.runtime import Runtime
+from lmserve.settings import Settings
 from tests.conftest import TEMPLATES
 from tests.families import ARCH, FAMILIES
 from tests.gemma4_vocab import write_gemma4_vocab
@@ -589,7 +590,7 @@ def test_forced_call_through_the_scheduler(family: str) -> None:
     call; <|call|> ends it), so each reply is one call and finishes with "tool_calls"."""
     model_ = load_model(ARCH / family / f"tiny-{family}-F16.gguf")
     runtime = Runtime(model_, load_engine("cpu", model_.gguf, model_.config),
-                      ServerOptions(ctx=8192, kv_slots=3, max_batch=3))  # Devstral's system prompt is long
+                      Settings(ctx=8192, kv_slots=3, batch=3))  # Devstral's system prompt is long
     requests = [ChatRequest([Message("user", "hi")], SamplingParams(temperature=1.0, seed=seed), 1500, tools=TOOLS,
                             tool_choice=ToolChoice("required")) for seed in range(3)]
 

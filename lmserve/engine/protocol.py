@@ -65,6 +65,9 @@ class Engine(Protocol[C]):
     # (measured when asked); a distributed group's is its tightest rank's.
     available_memory: int | None = None
     quant_summary: str  # how weights were converted at load, for the banner; "" when none were
+    # First-use work done at load so that the first request is as fast as the tenth (compiling
+    # kernels), for the banner; "" when there was none.
+    prepared: str = ""
     # True when `decode_argmax` saves work over `decode` + a host argmax (it runs on the device and
     # copies only ids back): the scheduler then uses it for batches that need no host logits.
     device_argmax: bool

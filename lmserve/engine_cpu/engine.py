@@ -62,6 +62,10 @@ class CPUEngine(Engine[CPUCache]):
         self._activation = ops.GATED_ACTIVATIONS[config.activation]
         self._layout = Layout.of(config)
         self.weight_bytes = self.weights.nbytes
+        if quantized:
+            from lmserve.engine_cpu import kernels
+
+            self.prepared = kernels.prepare()
         kind = "int8-block kernels" if quantized else "float32"
         self.device = f"numpy, {kind} ({len(os.sched_getaffinity(0))} cpus)"
 

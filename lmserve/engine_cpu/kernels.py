@@ -3,11 +3,11 @@
 Decode reads every weight once per step, so it runs at the speed weights stream through the
 cores: float32 weights cost 4 bytes a value, these 1.25-1.5. NumPy has no matrix product for int8
 times float32, and Numba's loop vectorizer leaves these loops scalar, so the inner loops are
-written as LLVM vector IR through Numba intrinsics (measured on SmolLM2's matrices, 2 cores: a
-decode step's products take 11.6 ms for one row against 21.8 ms on float32 weights, 16.1 against
-40.3 for four rows). Numba's `prange` runs them on OpenMP threads, whose launch costs ~1 us (its
-own work queue costs ~120 us, more than a small matrix: without OpenMP or TBB `available()` is
-False and the engine keeps float32 weights).
+written as LLVM vector IR through Numba intrinsics: a decode step's products then beat float32
+weights' for one row, and by more for four. Numba's `prange` runs them on OpenMP threads, whose
+launches are cheap (its own work queue costs more than a small matrix: without OpenMP or TBB
+`available()` is False and the engine keeps float32 weights). Figures: docs/PERFORMANCE.md,
+measurements behind code choices.
 
 Each output value is a dot product per block, scaled, `sum_b scale[b] * (q_b . x_b) + offset[b]
 * sum(x_b)`, in float32 with fused multiply-adds, in the same order whatever rows share the call:
@@ -17,6 +17,7 @@ a row's result does not depend on what it is batched with.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 
 import numba
@@ -49,7 +50,8 @@ class _Builder:
     def by_block_size(self, emit: Callable[[int], None], values: int, scales: int) -> None:
         """`emit(size)` for each block size, run by the one that argument `values`' columns over
         argument `scales`' columns give: the loops are built for a constant size (a loop over a
-        block's vectors with a run-time count made 4-row products 1.4x slower)."""
+        block's vectors with a run-time count made 4-row products slower; figures:
+        docs/PERFORMANCE.md, measurements behind code choices)."""
         size = self.b.udiv(self.columns(values), self.columns(scales))
         with self.b.if_else(self.b.icmp_unsigned("==", size, ir.Constant(_I64, BLOCK_SIZES[0]))) as (first, other):
             with first:
@@ -165,7 +167,8 @@ def _dequantize_row(typingctx, q, scale, offset, out, o):  # noqa: ANN001, ANN20
 
 
 # Tiles: 4, 2 or 1 rows of x against OUTS matrix rows.
-# A 4-row SmolLM2 decode step takes 26.6 ms with 1 matrix row a tile, 21.1 with 2, 21.9 with 4.
+# 2 matrix rows a tile make a 4-row decode step fastest, 1 is clearly slower, 4 a little
+# (figures: docs/PERFORMANCE.md, measurements behind code choices).
 OUTS = 2
 _tile4, _tile2, _tile1 = (_dots(rows, OUTS) for rows in ROW_GROUPS)
 _one = _dots(1, 1)
@@ -174,7 +177,7 @@ _one = _dots(1, 1)
 @njit(parallel=True, cache=True, nogil=True)
 def _times(x, q, scale, offset, xsum, out):  # noqa: ANN001, ANN202
     n = x.shape[0]
-    if n == 1:  # one matrix row at a time: 12.6-13 ms a SmolLM2 decode step against 13.8 by tiles
+    if n == 1:  # one matrix row at a time: faster than tiles for one row (figures: docs/PERFORMANCE.md)
         for o in prange(q.shape[0]):
             _one(x, q, scale, offset, xsum, out, o, 0)
         return
@@ -213,14 +216,28 @@ def dequantize(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, out: np.nda
     _dequantize(q, scale, offset, out)
 
 
+def prepare() -> str:
+    """Compile the product kernel for the arrays the engine passes (or load it from Numba's cache,
+    `cache=True`, written beside this module) without running it: compiled lazily, the first
+    request after an install waited for it. What happened, for the banner."""
+    started = time.perf_counter()
+    matrix = types.Array(types.float32, 2, "C")
+    _times.compile((matrix, types.Array(types.int8, 2, "C"), matrix, matrix, matrix, matrix))
+    took = time.perf_counter() - started
+    if sum(_times.stats.cache_hits.values()):
+        return f"compiled kernels loaded from Numba's cache in {took:.1f} s"
+    return f"kernels compiled in {took:.1f} s (first run; cached in {_times.stats.cache_path} for the next)"
+
+
 @functools.cache
 def available() -> bool:
     """Whether the kernels compile and run here, with a threading layer whose launches are cheap.
 
     Runs no parallel kernel: libgomp gives every thread that starts a parallel region a team of
     its own, and once there are more of its threads than cores it stops spinning between regions,
-    so a launch costs 8-32 us instead of 1 (a decode step from the scheduler's thread took 22 ms
-    instead of 14 when the main thread had probed with one). Only the thread that decodes runs them."""
+    so launches cost many times more (a decode step from the scheduler's thread got much slower
+    when the main thread had probed with one; figures: docs/PERFORMANCE.md, measurements behind
+    code choices). Only the thread that decodes runs them."""
     try:
         q = np.ones((2, 32), np.int8)
         scale, offset = np.ones((2, 1), np.float32), np.zeros((2, 1), np.float32)

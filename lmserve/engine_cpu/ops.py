@@ -18,15 +18,14 @@ def _cpus() -> int:
 
 # Up to this many rows, one matrix-vector product per row beats one matrix product: OpenBLAS's GEMM
 # packs the weights and runs a kernel built for wide right-hand sides, so for 2-7 rows it reads them
-# 1.3-1.6 times slower than the blocked products below, and at 8 rows they are even (measured on
-# SmolLM2's shapes, 2 cores: a whole step's matrices for 2/3/4/6/8 rows take 30/34/38/46/53 ms this
-# way against 47/54/50/59/53 ms by GEMM, and 18 ms for one row).
+# slower than the blocked products below, and at 8 rows they are even
+# (figures: docs/PERFORMANCE.md, measurements behind code choices).
 GEMV_ROWS = 7
 # The products run one block of matrix rows at a time, every row of `x` against the block while it
 # is in cache: the first product reads the block from memory, the others from L2. BLAS splits a
 # block's rows between its threads the same way each time, so each core finds its share in its own
-# L2 when it has 1.5 MiB a thread (2 MiB L2 cores; measured on 2: 1 MiB blocks pay for calls, 6 MiB
-# ones lose the reuse, 3-4 MiB are best).
+# L2 when it has 1.5 MiB a thread (on 2 MiB L2 cores: smaller blocks pay for calls, larger ones lose
+# the reuse; figures: docs/PERFORMANCE.md, measurements behind code choices).
 BLOCK_BYTES = (3 << 19) * _cpus()
 # Rows a block holds a whole number of: BLAS runs a ragged group of rows (of a block, or of a
 # thread's share of it) down another path, which rounds differently from the same rows inside the
@@ -45,7 +44,7 @@ def linear(x: np.ndarray, w: np.ndarray | QuantMatrix) -> np.ndarray:
     n = len(x)
     if n == 1:
         return (w @ x[0])[None]
-    if n > GEMV_ROWS:  # the same bits as `(w @ x.T).T`, a few % more BLAS time, but rows come out
+    if n > GEMV_ROWS:  # the same bits as `(w @ x.T).T`, a little more BLAS time, but rows come out
         return x @ w.T  # C-ordered: the rest of the layer then walks contiguous memory
     out = np.empty((n, len(w)), dtype=np.result_type(x, w))
     blocks = max(1, round(w.nbytes / BLOCK_BYTES))

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Measured on SmolLM2's decode shapes, 2 cores: the kernels take 37/52/83 ms for 16/24/32 rows,
-# dequantizing tiles for BLAS 71/77/81 ms, and BLAS gains from there on (205 against 716 at 256).
+# Up to this many rows the kernels beat dequantizing tiles for BLAS; a little past it BLAS catches
+# up, and it gains from there on (figures: docs/PERFORMANCE.md, measurements behind code choices).
 KERNEL_ROWS = 24
 # Float32 values dequantized per BLAS product: 16 MiB, reused from the heap (glibc keeps it, see
 # weights._retain_freed_heap), so a layer's matrices are one product each; smaller tiles cost BLAS
-# more than they save (SmolLM2 prompt tok/s against float32's ~750: 0.5/1/4 MiB tiles 525/570/670).
+# more than they save (figures: docs/PERFORMANCE.md, measurements behind code choices).
 TILE_VALUES = 1 << 22
 
 

@@ -12,8 +12,8 @@ recurrent layers, a `DeltaNetWeights`.
 Tensors are dequantized 64K values at a time straight into their place in the fused matrices,
 which all live in one arena (see `_Loader`): no extra copies, temporaries that stay in cache, and
 one `gguf` call per 64K values rather than one per 16 rows. A thread pool of 2 was measured slower
-(1.2-1.5 s against 0.7 s for SmolLM2): the `gguf` dequantizers are many small NumPy calls that
-hold the GIL.
+(figures: docs/PERFORMANCE.md, measurements behind code choices): the `gguf` dequantizers are many
+small NumPy calls that hold the GIL.
 
 Weight matrices whose quant type `quant_blocks` unpacks stay quantized when the compiled kernels
 are available (`QuantMatrix`: 1.25-1.5 bytes a value, the file's own values); everything else
@@ -36,9 +36,10 @@ from gguf import quants as gguf_quants
 
 from lmserve.engine_cpu.qmatrix import QuantMatrix
 from lmserve.engine_cpu.quant_blocks import SUPPORTED, unpack
-from lmserve.model.config import ROPE_INTERLEAVED, ModelConfig, YarnScaling
+from lmserve.model.config import ROPE_INTERLEAVED, ModelConfig
 from lmserve.model.families import ROUTE_GEMMA4
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
+from lmserve.model.rope import Rope, rope_for
 
 ALIGN = 16  # float32 values: every array starts on a 64-byte cache line
 CHUNK_ELEMENTS = 1 << 16  # values dequantized per call: few calls, temporaries fit in L2 cache
@@ -128,15 +129,6 @@ class LayerWeights:
     out_scale: np.ndarray | None = None  # Gemma 4: the layer's output (residual included) times this [1]
 
 
-@dataclass(frozen=True)
-class Rope:
-    """Rotary embedding of the first `2 * len(inv_freq)` dimensions of each head; cos and sin
-    are multiplied by `scale` (YaRN's attention factor, 1 otherwise)."""
-
-    inv_freq: np.ndarray  # [rotary_dims // 2], float64
-    scale: float = 1.0
-
-
 @dataclass
 class ModelWeights:
     """Every weight the forward pass reads. `output` is `embed` itself when embeddings are tied."""
@@ -180,9 +172,10 @@ class _Loader:
     """Collects (tensor, destination) jobs first so progress knows the total, then runs them.
 
     Destinations are carved out of one arena big enough for every tensor in the file: NumPy
-    asks the kernel for transparent huge pages on large allocations, so first-touching ~0.5 GB
-    costs about 0.06 s instead of 0.2-0.6 s of 4 KiB page faults, and decode's weight
-    stream needs fewer TLB entries. Untouched arena tail is never backed by memory.
+    asks the kernel for transparent huge pages on large allocations, so first-touching the
+    weights costs a fraction of what 4 KiB page faults do (figures: docs/PERFORMANCE.md,
+    measurements behind code choices), and decode's weight stream needs fewer TLB entries.
+    Untouched arena tail is never backed by memory.
     """
 
     def __init__(self, gguf: GGUFFile, head_dim: int, quantized: bool) -> None:
@@ -330,9 +323,10 @@ def _retain_freed_heap() -> None:
     """Stop glibc from handing freed heap memory back to the kernel after every chunk.
 
     Each dequantized chunk makes a few temporaries of 256 KiB; by default glibc trims the heap
-    top as soon as they are freed, so every chunk page-faults them in again: about 380,000
-    faults and 0.6 s for SmolLM2 (measured). Keeping up to 64 MiB of freed heap halves the
-    load time and also spares decode's per-step buffers. Process-wide; a no-op off glibc.
+    top as soon as they are freed, so every chunk page-faults them in again. Keeping up to
+    64 MiB of freed heap spares those faults, a large share of the load time, and also decode's
+    per-step buffers (figures: docs/PERFORMANCE.md, measurements behind code choices).
+    Process-wide; a no-op off glibc.
     """
     if not sys.platform.startswith("linux"):
         return
@@ -394,13 +388,13 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, progress: Progress | None 
         output = loader.matrix(_name(MODEL_TENSOR.OUTPUT), (c.vocab_size, c.hidden_size))
     loader.run(progress)
     # Only the global layers read `rope_freqs` (Gemma 4's proportional rope; Llama 3 has no local ones).
-    global_rope = _rope(gguf, c, c.rope_theta, c.rope_linear_factor, c.layer_rotary_dims(_global_layer(c)),
+    global_rope = rope_for(gguf, c, c.rope_theta, c.rope_linear_factor, c.layer_rotary_dims(_global_layer(c)),
                         c.has_rope_freqs)
     local_rope = None
     if c.rope_theta_local is not None and any(
             isinstance(layer.mixer, AttentionWeights) and layer.mixer.local_rope for layer in layers):
         sliding = next(i for i in c.attention_layers if c.sliding_layers[i])
-        local_rope = _rope(gguf, c, c.rope_theta_local, 1.0, c.layer_rotary_dims(sliding), False)
+        local_rope = rope_for(gguf, c, c.rope_theta_local, 1.0, c.layer_rotary_dims(sliding), False)
     return ModelWeights(embed, layers, output_norm, output, global_rope, local_rope)
 
 
@@ -545,55 +539,3 @@ def _experts(loader: _Loader, c: ModelConfig, i: int) -> ExpertWeights:
         norm=loader.tensor(_name(MODEL_TENSOR.FFN_PRE_NORM_2, i), (hidden,)) if dense_beside else None,
         post_norm=loader.tensor(_name(MODEL_TENSOR.FFN_POST_NORM_2, i), (hidden,)) if dense_beside else None,
     )
-
-
-def _rope(gguf: GGUFFile, config: ModelConfig, theta: float, linear_factor: float, dims: int,
-          freqs: bool) -> Rope:
-    """RoPE inverse frequencies for base `theta` over `dims` rotated dimensions; with `freqs` the
-    file's `rope_freqs` divide them (Llama 3.x's scaling; Gemma 4's proportional rope, whose 1e30
-    entries leave the other dimensions unrotated), Phi-3.5 / Phi-4-mini's `rope_factors_long`
-    (LongRoPE) too, and gpt-oss blends them by YaRN."""
-    inv_freq = theta ** -(np.arange(0, dims, 2, dtype=np.float64) / dims)
-    if freqs:
-        inv_freq = inv_freq / gguf.dequantize(_name(MODEL_TENSOR.ROPE_FREQS)).astype(np.float64)
-    if linear_factor != 1.0:
-        inv_freq = inv_freq / linear_factor
-    if config.rope_yarn is not None:
-        return _yarn(inv_freq, dims, theta, config.rope_yarn)
-    if LONGROPE_FACTORS in gguf.tensors:
-        return _longrope(gguf, config, inv_freq)
-    return Rope(inv_freq)
-
-
-LONGROPE_FACTORS = "rope_factors_long.weight"
-
-
-def _longrope(gguf: GGUFFile, config: ModelConfig, inv_freq: np.ndarray) -> Rope:
-    """LongRoPE as mlx-lm's SuScaledRoPE applies it (the MLX engine's, so both engines agree):
-    the long factors divide every frequency at any length, and cos/sin are scaled by
-    sqrt(1 + ln(ctx / original) / ln(original)) when the trained context exceeds the original."""
-    original = int(gguf.metadata.get(f"{config.architecture}.rope.scaling.original_context_length",
-                                      config.context_length))
-    factor = config.context_length / original
-    scale = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
-    return Rope(inv_freq / gguf.dequantize(LONGROPE_FACTORS).astype(np.float64), scale)
-
-
-def _yarn(inv_freq: np.ndarray, dims: int, theta: float, yarn: YarnScaling) -> Rope:
-    """YaRN as Hugging Face's `_compute_yarn_parameters`: each frequency is blended between
-    interpolated (divided by the factor) and original by a linear ramp over the dimensions whose
-    wavelength lies between beta_fast and beta_slow rotations of the original context, and cos
-    and sin are scaled by mscale = 0.1 ln(factor) + 1."""
-    def correction_dim(rotations: float) -> float:
-        return dims * math.log(yarn.original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
-    if yarn.truncate:  # gpt-oss's own config leaves the range unrounded (ModelConfig says which)
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dims - 1)
-    if low == high:
-        high += 0.001  # as Hugging Face: no division by zero
-    interpolated = np.clip((np.arange(dims // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-    blended = inv_freq / yarn.factor * interpolated + inv_freq * (1 - interpolated)
-    mscale = 0.1 * math.log(yarn.factor) + 1.0 if yarn.factor > 1 else 1.0
-    return Rope(blended, mscale)

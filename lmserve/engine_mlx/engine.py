@@ -56,9 +56,10 @@ def describe_device() -> str:
 
 
 def compute_dtype(gguf: GGUFFile) -> mx.Dtype:
-    """Activation, scale and KV dtype. MLX's CPU kernels run float16 quantized matmuls about 30x
-    slower than float32 (measured), so the CPU backend computes in float32; a GPU computes in the
-    precision of the file's float matrices (float16 for quantized files)."""
+    """Activation, scale and KV dtype. MLX's CPU kernels run float16 quantized matmuls many times
+    slower than float32 (figures: docs/PERFORMANCE.md, measurements behind code choices), so the
+    CPU backend computes in float32; a GPU computes in the precision of the file's float matrices
+    (float16 for quantized files)."""
     if mx.default_device().type == mx.DeviceType.cpu:
         return mx.float32
     types = {t.qtype for t in gguf.tensors.values() if len(t.shape) == 2}
@@ -97,7 +98,8 @@ class MLXEngine(Engine[MLXKVCache]):
         self.config = config
         self.device = describe_device()
         self.dtype = compute_dtype(gguf)
-        self.cheap_verify = mx.default_device().type != mx.DeviceType.cpu  # measured: 16 rows cost 13 steps there
+        # On MLX's CPU backend a verify pass costs nearly a decode step a row (figures: docs/PERFORMANCE.md)
+        self.cheap_verify = mx.default_device().type != mx.DeviceType.cpu
         self.kv_dtype_bytes = self.dtype.size  # keys and values are cached in the compute dtype
         self.stream = mx.new_thread_local_stream(mx.default_device())  # all of this engine's work
         with mx.stream(self.stream):

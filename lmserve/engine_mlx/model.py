@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 import gguf
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten
 
 from lmserve.model import families
 from lmserve.model.config import ROPE_INTERLEAVED, ModelConfig
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
+from lmserve.model.rope import rope_for
 
 Args = dict[str, object]
 Head = Callable[[mx.array], mx.array]
@@ -229,12 +229,13 @@ def build_model(config: ModelConfig, gguf_file: GGUFFile | None = None) -> nn.Mo
                                              config.rope_style == ROPE_INTERLEAVED, scaling, config.context_length)
     targets: list[nn.Module] = []
     if config.has_rope_freqs and gguf_file is not None:
-        targets, periods = _attentions(model, config, global_only=True), _rope_periods(
-            config, gguf_file.dequantize("rope_freqs.weight"))
+        targets = _attentions(model, config, global_only=True)
     elif config.rope_yarn is not None and not config.rope_yarn.truncate:
-        targets, periods = _attentions(model, config), _yarn_periods(config)
-    for attention in targets:
-        attention.rope._freqs = periods
+        targets = _attentions(model, config)
+    if targets:
+        periods = _rope_periods(config, gguf_file)
+        for attention in targets:
+            attention.rope._freqs = periods
     return model
 
 
@@ -346,30 +347,15 @@ def _longrope(config: ModelConfig, gguf_file: GGUFFile) -> Args:
             "original_max_position_embeddings": int(gguf_file.metadata.get(key, config.context_length))}
 
 
-def _rope_periods(config: ModelConfig, rope_freqs: np.ndarray) -> mx.array:
-    """What `mx.fast.rope(freqs=...)` takes: per dimension pair, the position divisor of its angle
-    (theta_i = pos * base^(-2i/d) / rope_freqs[i], as llama.cpp), d the global layers' rotated dims."""
+def _rope_periods(config: ModelConfig, gguf_file: GGUFFile | None) -> mx.array:
+    """The periods `mx.fast.rope(freqs=...)` takes, from the rope module both engines share: the
+    global layers' `rope_freqs` divisors (theta_i = pos * base^(-2i/d) / rope_freqs[i], as
+    llama.cpp), or YaRN with its correction range left unrounded (gpt-oss's own config; mlx-lm's
+    YarnRoPE rounds it, as Hugging Face's default and llama.cpp do)."""
     d = config.layer_rotary_dims(next(i for i in config.attention_layers
                                       if not (config.sliding_layers and config.sliding_layers[i])))
-    if rope_freqs.shape != (d // 2,):
-        raise ModelLoadError(f"rope_freqs has shape {rope_freqs.shape}, expected ({d // 2},)")
-    return config.rope_theta ** (mx.arange(0, d, 2, dtype=mx.float32) / d) * mx.array(rope_freqs, mx.float32)
-
-
-def _yarn_periods(config: ModelConfig) -> mx.array:
-    """mlx-lm's YarnRoPE periods with the correction range left unrounded (gpt-oss's own config;
-    mlx-lm rounds it, as Hugging Face's default and llama.cpp do)."""
-    yarn, d, base = config.rope_yarn, config.rotary_dims, config.rope_theta
-    assert yarn is not None
-
-    def correction(rotations: float) -> float:
-        return d * math.log(yarn.original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = max(correction(yarn.beta_fast), 0.0), min(correction(yarn.beta_slow), d - 1.0)
-    ramp = mx.clip((mx.arange(d // 2, dtype=mx.float32) - low) / max(high - low, 1e-3), 0, 1)
-    extra = base ** (mx.arange(0, d, 2, dtype=mx.float32) / d)
-    inter = yarn.factor * extra
-    return inter * extra / (inter * (1 - ramp) + extra * ramp)
+    rope = rope_for(gguf_file, config, config.rope_theta, config.rope_linear_factor, d, config.has_rope_freqs)
+    return mx.array(rope.periods, mx.float32)
 
 
 # Parameters the GGUF name map has no entry for: (the last two parts of the MLX name) -> the tensor

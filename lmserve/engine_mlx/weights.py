@@ -7,11 +7,12 @@ does the first three itself; in float16 the K types' sub-block scales, products 
 numbers, round to the nearest float16). The others (Q6_K, Q3_K and Q2_K scale 16-weight
 sub-blocks, which MLX cannot; the IQ types use non-uniform grids) are dequantized and
 re-quantized with `mx.quantize` at a width whose added error is small against the source's own.
-Measured on the tiny-llama fixtures against their F32 originals: re-quantizing at the source's
-width plus two adds 25-33% of the source's RMS error, plus four about 6%, at any group size.
-The rule: the smallest width of at least source + 2 bits, and the largest group, whose added
-error on this tensor is within a third of what a source-width quantizer does to it and within 2%
-of the weights' RMS (the second bound binds for 2- and 3-bit sources, whose own error is 15-30%).
+Re-quantizing at the source's width plus two adds a modest share of the source's own RMS error,
+plus four much less, at any group size (figures: docs/PERFORMANCE.md, measurements behind code
+choices). The rule: the smallest width of at least source + 2 bits, and the largest group, whose
+added error on this tensor is within a third of what a source-width quantizer does to it and
+within 2% of the weights' RMS (the second bound binds for 2- and 3-bit sources, whose own error
+is large).
 MXFP4 (gpt-oss's experts) is MLX's own `mxfp4` mode with the nibbles reordered.
 An expert stack (`[experts, out, in]`) gets one width for all its experts (MLX stores it as one
 array) and is converted one expert slice at a time.
@@ -19,10 +20,10 @@ array) and is converted one expert slice at a time.
 Memory: loading holds the converted model and one chunk of rows in flight, nothing more. Tensor
 bytes come from plain file reads (a memory map's pages would stay resident beside the copy), each
 chunk is converted and evaluated before the next is read, and each tensor is assembled in place in
-its final array. Measured on a 1.1 GB llama-shaped file (scripts/bench_load_memory.py), loading
-adds 1.18x the file's size to the process for Q8_0 and 1.38x for Q4_K (converted) on the CPU
-backend, whose float32 scales and biases make the weights themselves 1.18x and 1.33x the file;
-1.07x and 1.15x with a GPU's float16 ones. (Read through `mx.load` and a memory map before: 2.1x and 2.5x.)
+its final array, so loading adds little more than the converted weights themselves to the process
+(float32 scales and biases on the CPU backend make those somewhat larger than the file, a GPU's
+float16 ones less so), where reading through `mx.load` and a memory map added over twice the
+file (figures: docs/PERFORMANCE.md, measurements behind code choices; scripts/bench_load_memory.py).
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def load_native(gguf: GGUFFile, names: dict[str, str],
                 dtype: mx.Dtype) -> tuple[dict[str, mx.array], dict[str, Choice]]:
     """`mx.load` on the .gguf itself: MLX's own reader, the reference `convert`'s repacking is
     checked against. The engine does not use it: it holds the whole file read in and its copy at
-    once (measured: it adds 2.1x the file's size for Q8_0, against 1.18x tensor by tensor)."""
+    once, far more memory than converting tensor by tensor (figures: docs/PERFORMANCE.md,
+    measurements behind code choices)."""
     loaded = mx.load(str(gguf.path))
     arrays: dict[str, mx.array] = {}
     choices: dict[str, Choice] = {}

@@ -73,14 +73,14 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
         return {
             "id": model.model_id,
             "object": "model",
-            "created": int(runtime.options.started_at),
+            "created": int(runtime.started_at),
             "owned_by": "lmserve",
             "context_window": runtime.ctx,
             "max_model_len": runtime.ctx,
             "meta": runtime.model_info(),
         }
 
-    keepalive = runtime.options.keepalive
+    keepalive = runtime.settings.sse_keepalive
 
     async def answer(request: Request, handles: list[RequestHandle], stream: bool, renderer: MultiRenderer,
                      render_error: ErrorRenderer) -> Response:
@@ -156,10 +156,18 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
                 "tokens_generated": status.tokens_generated,
                 "warm": status.warm,
                 "kv": status.kv,
-                "auth_required": bool(runtime.options.api_key),
+                "auth_required": bool(runtime.settings.api_key),
                 "version": __version__,
             }
         )
+
+    @get("/fit")
+    async def fit(ctx: int | None = None, slots: int | None = None) -> Response:
+        """What a context and slot count would cost here (the RAM guard's arithmetic)."""
+        for name, value in (("ctx", ctx), ("slots", slots)):
+            if value is not None and value < 1:
+                raise invalid(name, "must be a positive integer")
+        return json_response(runtime.fit(ctx, slots))
 
     @get("/metrics")
     async def metrics_page() -> Response:
@@ -201,6 +209,7 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
             list_models,
             get_model,
             health,
+            fit,
             tokenize,
             detokenize,
             metrics_page,
@@ -217,12 +226,16 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
 
 def server_app(runtime: Runtime, guard: GuardOptions, cors_origins: list[str] | None = None) -> AccessLog:
     """The full ASGI stack: request ids, metrics and logs outermost, then the guard, then the app."""
-    metrics = Metrics({
+    gauges = {
         "lmserve_queue_depth": ("Requests waiting for the worker.", lambda: runtime.status().queue_depth),
         "lmserve_active_sequences": ("Sequences being generated.", lambda: runtime.status().active_sequences),
         "lmserve_kv_bytes": ("Bytes held by resident KV slots.", lambda: runtime.status().kv["kv_bytes"]),
-    })
-    return AccessLog(Guard(create_app(runtime, metrics, cors_origins), guard), metrics)
+    }
+    metrics = Metrics(gauges)
+    guarded = Guard(create_app(runtime, metrics, cors_origins), guard)
+    gauges["lmserve_requests_in_flight"] = ("Requests counted against --conns (their bodies may still be "
+                                            "arriving).", lambda: guarded.in_flight)
+    return AccessLog(guarded, metrics)
 
 
 def observer_of(request: Request) -> Observer | None:

@@ -100,6 +100,9 @@ QWEN3_THINKING = RecommendedSampling(0.6, 0.95, 20, 0.0, source="Qwen3 model car
 # The Qwen3.5 / 3.6 model cards' thinking mode for precise coding tasks (the general-task rows add a
 # presence penalty of 1.5, which recommended defaults here do not carry).
 QWEN35_THINKING = RecommendedSampling(0.6, 0.95, 20, 0.0, source="Qwen3.5 model card, thinking mode for coding")
+# The embedded SmolLM2-135M answers a first question best at its most likely tokens: sampled as its
+# card says (0.2 / 0.9), "What is the capital of France?" went wrong in 2 of 5 fresh tries.
+EMBEDDED_DEMO = RecommendedSampling(0.0, source="greedy: the embedded demo model answers best so")
 QWEN_CODER = RecommendedSampling(0.7, 0.8, 20, None, 1.05, source="Qwen3-Coder / Qwen2.5 generation_config.json")
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
@@ -142,3 +145,20 @@ def recommended_sampling(architecture: str, metadata: dict[str, Any]) -> Recomme
     family = FAMILIES.get(architecture)
     name = str(metadata.get("general.name") or metadata.get("general.basename") or "")
     return family.recommended_sampling(name) if family else RecommendedSampling()
+
+
+# How each engine computes a weight of each GGUF type (see docs/MODELS.md). The engines hold the
+# authoritative sets (engine_cpu.quant_blocks.SUPPORTED, engine_mlx.weights.NATIVE_TYPES); a test
+# keeps these names equal to them, so `--help` can say it without importing either engine.
+CPU_KEPT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+MLX_NATIVE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "MXFP4")
+
+
+def support_summary() -> str:
+    """The families and quant types served, for `--help`."""
+    names = ", ".join(f"{f.name} ({f.architecture})" for f in FAMILIES.values())
+    return (f"families: {names}.\n"
+            f"weights: MLX loads {', '.join(MLX_NATIVE_TYPES)} natively and re-quantizes other types "
+            f"once (cached); the NumPy engine computes {', '.join(CPU_KEPT_TYPES)} matrices in their blocks "
+            f"(int8 kernels) and holds other types, MoE experts and norms as float32.\n"
+            f"speculation (ngram) is on by default where verifying is cheap, off on MLX's CPU backend.")

@@ -39,6 +39,8 @@ SPLIT_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 class ModelLoadError(Exception):
     """A model file that cannot be served; the message is one line meant for the user."""
 
+    reported = False  # already printed (each rank of a distributed group says it before exiting)
+
 
 @dataclass(frozen=True)
 class TensorInfo:

@@ -20,6 +20,7 @@ class LoadedModel:
     template: ChatTemplate
     template_origin: str  # for the banner: embedded, ChatML fallback, or the --chat-template file
     name: str | None = None  # the name it was found by in a model store, if any
+    embedded: bool = False  # the embedded demo model (no model was named)
 
     @property
     def model_id(self) -> str:
@@ -28,7 +29,8 @@ class LoadedModel:
         return self.name or model_stem(self.path)
 
 
-def load_model(path: str | Path, name: str | None = None, chat_template: Path | None = None) -> LoadedModel:
+def load_model(path: str | Path, name: str | None = None, chat_template: Path | None = None,
+               embedded: bool = False) -> LoadedModel:
     """Read metadata, config, tokenizer and chat template (the file's, or `chat_template` in its
     place, as llama-server's --chat-template-file); raises ModelLoadError on a bad file."""
     gguf = GGUFFile(path)
@@ -50,4 +52,4 @@ def load_model(path: str | Path, name: str | None = None, chat_template: Path | 
         except TemplateError as exc:
             raise ModelLoadError(f"--chat-template {chat_template}: {exc}") from None
         origin = str(chat_template)
-    return LoadedModel(Path(path), gguf, config, tokenizer, template, origin, name)
+    return LoadedModel(Path(path), gguf, config, tokenizer, template, origin, name, embedded)

@@ -45,6 +45,10 @@ def default_context(trained: int, per_token: int, available: int | None = None,
                                  f"{available / 2**30:.1f} GiB available (trained {trained}; raise with --ctx)")
 
 
+class MemoryRefusal(Exception):
+    """Not even one KV slot of the context fits in the memory available (no --kv-slots-force)."""
+
+
 @dataclass(frozen=True)
 class SlotBudget:
     slots: int  # the slot count to use
@@ -73,7 +77,34 @@ def plan_slots(asked: int, per_token: int, ctx: int, available: int | None = Non
     if need <= available or force:
         verdict = "more than half of it" if need <= available else "more than all of it (kept: --kv-slots-force)"
         return SlotBudget(asked, asked, per_slot, available, f"{arithmetic}: {verdict}")
+    if per_slot + pending_weights > available:
+        largest = largest_context(per_token, available - pending_weights, state_bytes)
+        raise MemoryRefusal(f"{arithmetic}: not even one slot of {ctx} tokens fits; "
+                            + (f"at most --ctx {largest} does" if largest else "no context does")
+                            + " (--kv-slots-force starts anyway)")
     fits = max(1, int((available / 2 - pending_weights) // per_slot))
+    where = "in half" if fits * per_slot + pending_weights <= available / 2 else "in memory, above half of it"
     return SlotBudget(fits, asked, per_slot, available,
-                      f"{arithmetic}: more than all of it; using {fits} slot(s), which fit in half "
+                      f"{arithmetic}: more than all of it; using {fits} slot(s), which fit {where} "
                       "(--kv-slots-force keeps the asked count)", clamped=True)
+
+
+def largest_context(per_token: int, room: float, state_bytes: int = 0) -> int:
+    """The most tokens one slot may hold in `room` bytes (0: none)."""
+    return max(0, int((room - state_bytes) // per_token))
+
+
+def fit_report(weight_bytes: int, per_token: int, state_bytes: int, ctx: int, slots: int,
+               available: int | None = None) -> dict[str, int | bool]:
+    """The RAM guard's arithmetic for a context and slot count, for `GET /fit`: what one slot
+    costs, how many fit comfortably (half the memory left beside the weights, already resident)
+    and at all, and the largest context one slot and `slots` slots can hold."""
+    available = psutil.virtual_memory().available if available is None else available
+    per_slot = per_token * ctx + state_bytes
+    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": per_token, "state_bytes_per_slot": state_bytes,
+            "ctx": ctx, "slots": slots, "bytes_per_slot": per_slot, "kv_bytes": per_slot * slots,
+            "available_bytes": available, "fits": per_slot * slots <= available,
+            "comfortable": per_slot * slots <= available // 2,
+            "slots_that_fit": available // per_slot, "slots_that_fit_comfortably": available // 2 // per_slot,
+            "largest_ctx_one_slot": largest_context(per_token, available, state_bytes),
+            "largest_ctx_all_slots": largest_context(per_token, available / max(slots, 1), state_bytes)}

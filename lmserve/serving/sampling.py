@@ -46,8 +46,9 @@ def _nucleus(weights: np.ndarray, top_p: float) -> np.ndarray:
 
 def _draw(rng: np.random.Generator, weights: np.ndarray) -> int:
     """An index drawn with probability proportional to `weights`: what `rng.choice(n, p=...)` does
-    (one uniform draw against the cumulative weights) without its checks of `p`, which cost 0.3 ms
-    a token on 49,152 weights (1.15 -> 0.83 ms a pick)."""
+    (one uniform draw against the cumulative weights) without its checks of `p`, which cost a
+    sizeable share of a pick on a full vocabulary (figures: docs/PERFORMANCE.md, measurements
+    behind code choices)."""
     cumulative = np.cumsum(weights)
     return min(int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")), weights.size - 1)
 
@@ -85,8 +86,9 @@ class Sampler:
 
     def pick(self, logits: np.ndarray) -> int:
         """Choose the next token from already adjusted logits. Only top_p orders tokens, and only
-        the few largest as a rule (`_nucleus`): a full sort of SmolLM2's 49,152 logits took 4.6 ms
-        a token, a third of a decode step."""
+        the few largest as a rule (`_nucleus`): a full sort of a vocabulary's logits every token
+        costs a large share of a decode step (figures: docs/PERFORMANCE.md, measurements behind
+        code choices)."""
         p = self.params
         if p.greedy:
             return int(np.argmax(logits))

@@ -14,8 +14,8 @@ Drafters (`--speculate`):
 - `draft` (`ModelDrafter`, `--draft small.gguf`): a small model with the same tokenizer writes
   the draft greedily, from its own cache of the sequence.
 
-A verify pass costs more than a decode step (on the NumPy engine a pass of 2 to 16 rows costs
-1.7 to 3.7 single-row steps, on a GPU little more than one), so drafting is kept to where it pays.
+A verify pass costs more than a decode step (on the NumPy engine up to a few single-row steps, on
+a GPU little more than one), so drafting is kept to where it pays.
 `PassCosts` learns, as the server runs, what each shape of pass costs on this engine (decode steps
 by batch size, verify passes by batch size and width), and a step is a verify pass only when the
 tokens its drafts are expected to gain (each sequence's recent average) make it yield more tokens
@@ -27,8 +27,8 @@ past, so that a reply that starts copying late is found. In a pass shared with o
 long draft widens it for all of them (the engine pads to the longest list), so there a sequence
 only probes with `PROBE` tokens until a draft of it is accepted whole. And prompt lookup drafts
 from a match shorter than 3 tokens only right after a draft was accepted whole: in prose such
-matches are mostly chance (measured on SmolLM2: at most a quarter of 1-token matches gain a token,
-nine in ten 3-token matches do).
+matches are mostly chance, while most 3-token matches gain a token (figures: docs/PERFORMANCE.md,
+measurements behind code choices).
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ MODES = ("off", "ngram", "draft")
 DEFAULT_MODE = "ngram"  # measured not to lose: scripts/bench_engine.py --speculate, docs/LMSERVER.md
 NGRAM = 3  # trailing tokens a match needs (fewer only while copying)
 CONTEXT = 8  # trailing tokens compared at most to choose between matches (the latest alone: fewer accepted)
-MAX_DRAFT = 15  # per step: 16 rows cost the NumPy engine no more than 8-11 (edit bench: 2.00x; at 10: 1.69x)
+# Per step: a 16-row pass costs the NumPy engine no more than somewhat shorter ones, and a reply
+# that copies gains more from 15 than from 10 (figures: docs/PERFORMANCE.md, measurements behind code choices).
+MAX_DRAFT = 15
 MODEL_DRAFT = 4  # tokens a draft model writes at most per step (one small-model step each)
 PROBE = 3  # the most a sequence drafts in a shared pass until a draft of it is accepted whole
 PAUSE, MAX_PAUSE = 8, 256
