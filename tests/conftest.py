@@ -59,8 +59,10 @@ def smollm2_server():
 @pytest.fixture(scope="session")
 def smollm2_long_context():
     """SmolLM2 with room for Codex's instructions and tools (about 9,100 of its tokens), greedy for
-    requests that send no temperature (neither client does): sampled at its card's 0.2, SmolLM2
-    sometimes loops until Claude Code's 32,000-token budget runs out. Shared by the agent-client
+    requests that send no temperature (neither client does; the embedded model's default, and
+    `--temp 0` here says so explicitly): sampled at its card's 0.2, SmolLM2 sometimes loops until
+    Claude Code's 64,000-token budget runs out. 16,384 tokens is above its trained 8,192 (the
+    server warns); the smoke runs need the room, not answers past 8,192. Shared by the agent-client
     smoke runs and the Codex capture replay: Codex's instructions and tools, prefilled once (a
     minute and a half here), are a KV prefix the later requests adopt."""
     from tests.server_util import start_server

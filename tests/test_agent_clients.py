@@ -132,7 +132,8 @@ def test_temp_sets_the_temperature_of_requests_that_send_none(smollm2_long_conte
 
     greedy = reply(temperature=0)
     assert reply(seed=1) == reply(seed=2) == greedy
-    assert "temperature 0, top_p 0.9 (SmolLM2 model card; temperature from --temp)" in smollm2_long_context.log()
+    assert "defaults temperature 0 (greedy: the embedded demo model answers best so; temperature from --temp)" \
+        in smollm2_long_context.log()
 
 
 QUESTION = "What is the capital of France?"  # one SmolLM2 answers in a sentence, then ends its turn
