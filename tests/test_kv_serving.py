@@ -110,4 +110,4 @@ def test_unwritable_kv_cache_dir_refuses_to_start(tmp_path):
     target.write_text("x")
     with pytest.raises(RuntimeError) as info, start_server("--engine", "cpu", "--kv-cache-dir", str(target)):
         pass
-    assert "cannot use --kv-cache-dir" in str(info.value)
+    assert f"--kv-cache-dir {target}: exists and is not a directory" in str(info.value)  # before loading
