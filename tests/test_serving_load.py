@@ -140,7 +140,7 @@ def test_sigterm_mid_stream_ends_the_stream_and_exits_zero():
 
 @pytest.fixture(scope="module")
 def secured():
-    with start_server("--engine", "cpu", "--ctx", "1024", "--api-key", "sekrit", "--max-body", "2000",
+    with start_server("--engine", "cpu", "--ctx", "1024", "--api-key", "sekrit", "--max-body", "16384",
                       "--allow-host", "lmserve.test") as server:
         yield server
 
@@ -171,7 +171,7 @@ def test_foreign_host_rejected_and_allowed_host_accepted(secured):
 
 
 def test_oversized_body_is_413(secured):
-    big = {"messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 1}
+    big = {"messages": [{"role": "user", "content": "x" * 20000}], "max_tokens": 1}
     r = httpx.post(secured.base_url + "/v1/chat/completions", json=big, headers={"x-api-key": "sekrit"})
     assert r.status_code == 413 and r.json()["error"]["param"] == "body"
 
