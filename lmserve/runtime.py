@@ -57,29 +57,29 @@ class Runtime:
             raise ValueError("Runtime needs the context resolved (Settings.with_resolved(ctx=...))")
         self.model = model
         self.engine = engine
-        self.settings = options = settings
+        self.settings = settings
         self.ctx: int = settings.ctx
         self.started_at = time.time()
         self.prompts = PromptBuilder(model.tokenizer, model.template)
         self.sampling_defaults = EMBEDDED_DEMO if model.embedded else recommended_sampling(
             model.config.architecture, model.gguf.metadata)
-        if options.temp is not None:
-            self.sampling_defaults = self.sampling_defaults.with_temperature(options.temp)
+        if settings.temp is not None:
+            self.sampling_defaults = self.sampling_defaults.with_temperature(settings.temp)
         self.replies = ReplyPlanner(model.tokenizer, model.template)
         cfg = model.config
-        engine.checkpoints_per_cache = options.kv_checkpoints
-        self.slot_budget = plan_slots(options.kv_slots, engine.kv_bytes_per_token(), self.ctx,
-                                      engine.available_memory, force=options.kv_slots_force,
+        engine.checkpoints_per_cache = settings.kv_checkpoints
+        self.slot_budget = plan_slots(settings.kv_slots, engine.kv_bytes_per_token(), self.ctx,
+                                      engine.available_memory, force=settings.kv_slots_force,
                                       state_bytes=slot_state_bytes(engine))
         disk = None
-        if options.kv_cache_dir is not None:
-            disk = DiskTier(options.kv_cache_dir, model.gguf.header_digest(),
-                            [engine.name, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim], options.kv_disk_slots)
+        if settings.kv_cache_dir is not None:
+            disk = DiskTier(settings.kv_cache_dir, model.gguf.header_digest(),
+                            [engine.name, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim], settings.kv_disk_slots)
         self.warm = threading.Event()  # set once first-use work (tool parsers, grammar tokenizer) is done
-        self.slots = SlotPool(engine, self.slot_budget.slots, self.ctx, disk, options.kv_reuse)
-        self.scheduler = Scheduler(engine, model.tokenizer, self.slots, options.queue, options.batch,
-                                   options.prefill_chunk,
-                                   drafters(options.speculate or DEFAULT_MODE, self.ctx, model.config.vocab_size,
+        self.slots = SlotPool(engine, self.slot_budget.slots, self.ctx, disk, settings.kv_reuse)
+        self.scheduler = Scheduler(engine, model.tokenizer, self.slots, settings.queue, settings.batch,
+                                   settings.prefill_chunk,
+                                   drafters(settings.speculate or DEFAULT_MODE, self.ctx, model.config.vocab_size,
                                             draft_engine))
 
     def start(self) -> None:

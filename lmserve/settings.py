@@ -281,15 +281,16 @@ def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = N
 
     env = os.environ if env is None else env
     typed = vars(build_parser().parse_args(argv))
-    where = {name: BY_NAME[name].flag or name for name in typed}
     path = typed.get("config") or config_file.default_path()
     values: dict[str, Any] = {"api_key": env.get("LMSERVE_API_KEY") or None}
+    where: dict[str, str] = {}
     if "config" in typed or path.is_file():
         from_file = config_file.read(path)
         values |= from_file
         where |= {name: f"{BY_NAME[name].key!r} in config file {path}" for name in from_file}
         typed["config"] = path
-    values |= typed
+    values |= typed  # the command line wins, and is what an error then names
+    where |= {name: BY_NAME[name].flag or name for name in typed}
     for name, value in values.items():
         check(BY_NAME[name], value, where.get(name, BY_NAME[name].flag or name))
     settings = Settings(**values)

@@ -110,3 +110,9 @@ def test_print_config_shows_the_effective_settings(config: Path, capsys: pytest.
         assert line in lines, line
     assert "secret" not in out
     assert lines[-1].startswith("# model file: none (no model file or stored model named 'nowhere:1b'")
+
+
+def test_a_bad_flag_over_the_file_names_the_flag(config: Path) -> None:
+    config.write_text("batch = 2\n")
+    message = error(["--batch", "0"])
+    assert message.startswith("--batch must be from 1 to 256") and str(config) not in message

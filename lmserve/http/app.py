@@ -226,14 +226,13 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
 
 def server_app(runtime: Runtime, guard: GuardOptions, cors_origins: list[str] | None = None) -> AccessLog:
     """The full ASGI stack: request ids, metrics and logs outermost, then the guard, then the app."""
-    gauges = {
+    metrics = Metrics({
         "lmserve_queue_depth": ("Requests waiting for the worker.", lambda: runtime.status().queue_depth),
         "lmserve_active_sequences": ("Sequences being generated.", lambda: runtime.status().active_sequences),
         "lmserve_kv_bytes": ("Bytes held by resident KV slots.", lambda: runtime.status().kv["kv_bytes"]),
-    }
-    metrics = Metrics(gauges)
-    guarded = Guard(create_app(runtime, metrics, cors_origins), guard)
-    gauges["lmserve_requests_in_flight"] = ("Requests counted against --conns (their bodies may still be "
+    })
+    guarded = Guard(create_app(runtime, metrics, cors_origins), guard)  # the app renders metrics: gauge after
+    metrics.gauges["lmserve_requests_in_flight"] = ("Requests counted against --conns (their bodies may still be "
                                             "arriving).", lambda: guarded.in_flight)
     return AccessLog(guarded, metrics)
 
