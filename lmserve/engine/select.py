@@ -45,6 +45,5 @@ def load_engine(kind: str, gguf: GGUFFile, config: ModelConfig,
     try:
         from lmserve.engine_mlx import MLXEngine
     except ImportError as exc:
-        raise ModelLoadError(f"the MLX engine needs the mlx and mlx-lm packages ({exc}): on Linux, "
-                             "pip install 'lmserve[mlx]' (or mlx[cuda] and mlx-lm for an NVIDIA GPU)") from None
+        raise ModelLoadError(f"the MLX engine needs the mlx and mlx-lm packages: {exc}") from None
     return MLXEngine(gguf, config, progress)
