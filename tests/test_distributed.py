@@ -295,3 +295,28 @@ def test_pipeline_runs_split_layers_evenly() -> None:
 
     assert runs(30, 4) == [range(0, 8), range(8, 16), range(16, 23), range(23, 30)]
     assert runs(2, 2) == [range(0, 1), range(1, 2)]
+
+
+def test_a_prompt_is_not_bounded_by_the_pace_of_decode_steps() -> None:
+    """A lockstep call's deadline comes from earlier calls of its own kind: many fast decode steps
+    must not leave a long prefill (hundreds of tokens, slow on a busy core) a bound of seconds."""
+    from lmserve.engine_mlx.distributed.watchdog import FIRST_PACE_S, STEP_S, Pace
+    from lmserve.engine_mlx.distributed.wire import Op
+
+    class Armed:
+        def arm(self, seconds: float, what: str) -> None:
+            self.seconds = seconds
+
+        def disarm(self) -> None:
+            pass
+
+    pace, armed = Pace(), Armed()
+    for _ in range(3):
+        pace.start(armed, Op.DECODE, 3)  # type: ignore[arg-type]
+        pace.end(armed)  # type: ignore[arg-type]
+    assert pace.bound(Op.DECODE, 3) < STEP_S + 1  # a decode step is fast: its bound stays near STEP_S
+    pace.start(armed, Op.PREFILL, 256)  # type: ignore[arg-type]
+    assert armed.seconds >= STEP_S + FIRST_PACE_S * 256  # no prefill seen yet: the generous first pace
+    time.sleep(0.05)
+    pace.end(armed)  # type: ignore[arg-type]
+    assert pace.bound(Op.PREFILL, 256) >= STEP_S + 0.05 * 4  # then the prefill's own measured pace

@@ -70,7 +70,7 @@ def follow(engine: ShardedMLXEngine, end: GroupEnd) -> None:
             op = Op(words[0]) if words else Op.NOOP
             if op == Op.STOP:
                 return
-            wait = WAIT_S + (pace.bound(len(words)) if op > Op.FREE else 0)
+            wait = WAIT_S + (pace.bound(op, len(words)) if op > Op.FREE else 0)
             if op == Op.NOOP:
                 continue
             pace.start(watchdog, op, len(words))

@@ -15,7 +15,9 @@ from lmserve.engine_mlx.distributed.wire import Op
 HEARTBEAT_S = 1.0  # an idle rank 0 sends a no-op this often
 WAIT_S = 5 * HEARTBEAT_S  # a follower hearing nothing from rank 0 this long gives up
 # The most one lockstep call may take: STEP_S, plus per word of its command (about a token)
-# SLACK times the slowest pace seen so far (FIRST_PACE_S before any call has ended).
+# SLACK times the slowest pace seen so far for calls of its op (FIRST_PACE_S before one has ended).
+# Paces are kept per op: a prompt's word (a prefilled token) costs far more than a decode step's
+# (a cache handle), and a PREFILL bounded by DECODE's pace was taken for a lost rank under load.
 STEP_S = 10.0
 SLACK = 4.0
 FIRST_PACE_S = 1.0
@@ -58,23 +60,25 @@ class Watchdog:
 
 
 class Pace:
-    """How long a lockstep call may take, from how long the calls so far took per command word:
-    a slow machine (a large model, MLX's CPU backend) gets longer, a fast one gives up sooner."""
+    """How long a lockstep call may take, from how long earlier calls of the same op took per
+    command word: a slow machine (a large model, MLX's CPU backend, a busy core) gets longer, a
+    fast one gives up sooner."""
 
     def __init__(self) -> None:
-        self.per_word: float | None = None
+        self.per_word: dict[Op, float] = {}
+        self._op = Op.NOOP
         self._start = 0.0
         self._words = 1
 
-    def bound(self, n_words: int) -> float:
-        return STEP_S + SLACK * (self.per_word or FIRST_PACE_S) * n_words
+    def bound(self, op: Op, n_words: int) -> float:
+        return STEP_S + SLACK * self.per_word.get(op, FIRST_PACE_S) * n_words
 
     def start(self, watchdog: Watchdog, op: Op, n_words: int) -> None:
-        bound = self.bound(n_words)
+        bound = self.bound(op, n_words)
         watchdog.arm(bound, f"no answer within {bound:.0f} s of {op.name}")
-        self._start, self._words = time.monotonic(), max(1, n_words)
+        self._op, self._start, self._words = op, time.monotonic(), max(1, n_words)
 
     def end(self, watchdog: Watchdog) -> None:
         watchdog.disarm()
         pace = (time.monotonic() - self._start) / self._words
-        self.per_word = pace if self.per_word is None else max(self.per_word, pace)
+        self.per_word[self._op] = max(self.per_word.get(self._op, 0.0), pace)
