@@ -80,7 +80,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def kv_line(runtime) -> str:
     budget = runtime.slot_budget
-    line = f"{budget.slots} x up to {human_bytes(budget.per_slot)}"
+    line = (f"{budget.slots} x up to {human_bytes(budget.per_slot)}, keys and values as {runtime.engine.kv_type} "
+            f"({human_bytes(runtime.engine.kv_bytes_per_token())} a position)")
     state = runtime.engine.state_bytes()
     if state:
         line += (f" (each with up to {runtime.settings.kv_checkpoints} recurrent-state checkpoints "
@@ -246,11 +247,12 @@ def serve(settings: Settings) -> None:
     model = load_model(path, name, settings.chat_template, embedded=settings.model is None)
     progress = LoadProgress("loading weights", model.gguf.file_bytes)
     if settings.distributed:
-        engine = distributed.load(model.gguf, model.config, settings.distributed, exit_now, progress)
+        engine = distributed.load(model.gguf, model.config, settings.distributed, exit_now, progress,
+                                  settings.kv_type)
         if engine is None:  # a follower: rank 0 has stopped the group
             exit_now(0)
     else:
-        engine = load_engine(settings.engine, model.gguf, model.config, progress)
+        engine = load_engine(settings.engine, model.gguf, model.config, progress, settings.kv_type)
     speculate = speculation_mode(settings, engine.cheap_verify)
     draft_engine = load_draft(settings.draft, model, engine.name) if speculate == "draft" else None
     engine.checkpoints_per_cache = settings.kv_checkpoints

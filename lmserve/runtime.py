@@ -42,7 +42,7 @@ class RuntimeStatus:
     queue_depth: int  # requests waiting for the worker
     active_sequences: int  # sequences being generated
     tokens_generated: int
-    kv: dict[str, Any]  # the slot pool's figures (slots, kv_bytes, ...)
+    kv: dict[str, Any]  # the slot pool's figures (slots, kv_bytes, ...), the KV type and its bytes a position
     warm: bool  # first-use work (tool parsers, grammar tokenizer) done
 
 
@@ -112,9 +112,9 @@ class Runtime:
         """The live figures /health, /metrics and the CLI report, read here rather than from the
         scheduler and slot pool themselves."""
         scheduler = self.scheduler
+        kv = {**self.slots.stats(), "type": self.engine.kv_type, "bytes_per_token": self.engine.kv_bytes_per_token()}
         return RuntimeStatus(self.engine.name, self.engine.device, scheduler.max_batch, scheduler.queue_depth,
-                             scheduler.active_sequences, scheduler.tokens_generated, self.slots.stats(),
-                             self.warm.is_set())
+                             scheduler.active_sequences, scheduler.tokens_generated, kv, self.warm.is_set())
 
     def fit(self, ctx: int | None = None, slots: int | None = None) -> dict[str, int | bool]:
         """The RAM guard's arithmetic for this model at `ctx` tokens and `slots` slots (default:

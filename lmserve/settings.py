@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lmserve import __version__
+from lmserve.engine.kv_types import KV_TYPE_NAMES
 from lmserve.serving.scheduler import PREFILL_CHUNK
 from lmserve.serving.speculate import DEFAULT_MODE, MODES
 
@@ -101,6 +102,10 @@ class Settings:
     kv_reuse: bool = setting(
         True, "prefill every prompt whole, reusing no cached prefix (to measure what reuse saves)",
         flag="no-kv-reuse", inverted=True)
+    kv_type: str = setting(
+        "auto", "what the KV cache stores keys and values as, llama-server's -ctk/-ctv names: q8_0 takes about "
+                "half of f16's memory, q4_0 about a third (default auto: float32 on the NumPy engine, the "
+                "compute dtype on MLX, which takes f32 or f16 only when that is its dtype)", choices=KV_TYPE_NAMES)
     kv_cache_dir: Path | None = setting(
         None, "spill evicted KV slots to files here; they survive restarts (off by default)", must_be="dir")
     kv_disk_slots: int = setting(8, "KV cache files kept on disk (default 8)", low=1)

@@ -11,6 +11,11 @@ Figures: decode tok/s of one stream (between its first and last token), aggregat
 --streams concurrent streams (all their tokens over the wall time), prompt tok/s of a cold
 ~1,100-token prompt (its prompt tokens over the time to first token), and the time to first
 token of a second conversation sharing that prompt's system prompt, divided by the cold one.
+With --long-context N, also the decode tok/s of one stream after an N-token prompt (a long agent
+session's turn: attention reads N cached positions a token), e.g. with quantized KV on both:
+
+    python scripts/bench_peer.py --long-context 16000 --ctx 16640 --llama-arg=--no-repack \
+        --llama-arg=-ctk --llama-arg=q8_0 --llama-arg=-ctv --llama-arg=q8_0 --lmserve-arg=--kv-type=q8_0
 """
 
 from __future__ import annotations
@@ -99,9 +104,16 @@ def measure(base_url: str, extra: dict, args: argparse.Namespace, tokenizer: Tok
                        2, extra)
     warm = stream_chat(base_url, [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[1]}],
                        2, extra)
-    return {"decode": decode, "aggregate": aggregate, "prompt": cold["prompt"] / cold["ttft"],
-            "shared": warm["ttft"] / cold["ttft"], "prompt_tokens": cold["prompt"],
-            "lone_tokens": lone["produced"], "streams_tokens": sum(r["produced"] for r in results) / args.streams}
+    figures = {"decode": decode, "aggregate": aggregate, "prompt": cold["prompt"] / cold["ttft"],
+               "shared": warm["ttft"] / cold["ttft"], "prompt_tokens": cold["prompt"],
+               "lone_tokens": lone["produced"], "streams_tokens": sum(r["produced"] for r in results) / args.streams}
+    if args.long_context:
+        long = stream_chat(base_url, [{"role": "system", "content": system_prompt(tokenizer, args.long_context)},
+                                      {"role": "user", "content": "Write a long story about the notes."}],
+                           args.tokens, extra)
+        figures["long_decode"] = (long["produced"] - 1) / (long["end"] - long["arrivals"][0])
+        figures["long_prompt_tokens"] = long["prompt"]
+    return figures
 
 
 @contextlib.contextmanager
@@ -158,6 +170,8 @@ def main() -> None:
     p.add_argument("--lmserve-arg", action="append", default=[], metavar="ARG",
                    help="extra lmserve argument (repeatable), e.g. --lmserve-arg=--speculate --lmserve-arg=off")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds; the best of each figure is kept")
+    p.add_argument("--long-context", type=int, default=0, metavar="N",
+                   help="also decode one stream after an N-token prompt (needs --ctx above N + --tokens)")
     args = p.parse_args()
     args.llama_arg = ["--no-repack"] if args.llama_arg is None else args.llama_arg
     default_model = args.model is None
@@ -183,6 +197,8 @@ def main() -> None:
             (f"aggregate, {args.streams} streams (tok/s)", "aggregate", ".1f"),
             (f"prompt, ~{ours['prompt_tokens']:.0f} tokens (tok/s, from TTFT)", "prompt", ".0f"),
             ("TTFT shared system prompt / cold", "shared", ".3f")]
+    if args.long_context:
+        rows.append((f"decode after ~{ours['long_prompt_tokens']:.0f} cached tokens (tok/s)", "long_decode", ".1f"))
     width = max(len(label) for label, _, _ in rows)
     print(f"{'metric':<{width}}  {'lmserve':>9}  {'llama-server':>12}  {'lmserve/llama':>13}")
     for label, key, fmt in rows:

@@ -42,6 +42,7 @@ class TrackingEngine(Engine[C]):
         self.engine = engine
         self.config, self.name, self.device = engine.config, engine.name, engine.device
         self.weight_bytes, self.kv_dtype_bytes = engine.weight_bytes, engine.kv_dtype_bytes
+        self.kv_type, self.state_dtype_bytes = engine.kv_type, engine.state_dtype_bytes
         self.quant_summary, self.device_argmax = engine.quant_summary, engine.device_argmax
         self.cheap_verify = engine.cheap_verify
         self._held: weakref.WeakKeyDictionary[C, _Held] = weakref.WeakKeyDictionary()

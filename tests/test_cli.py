@@ -70,7 +70,7 @@ BAD_VALUES = {  # flag -> values it refuses, and a word the one line must carry
     "--kv-disk-slots": (["0"], "at least 1"), "--engine": (["gpu"], "invalid choice"),
     "--distributed": (["ring"], "invalid choice"), "--speculate": (["eagle"], "invalid choice"),
     "--draft": (["/no/such.gguf"], "no such file"), "--chat-template": (["/no/such.jinja"], "no such file"),
-    "--host": ([""], "must not be empty"),
+    "--host": ([""], "must not be empty"), "--kv-type": (["q5_k", "fp8"], "invalid choice"),
 }
 
 

@@ -8,7 +8,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_util import wait_for
+from tests.server_util import start_server, wait_for
 
 HISTOGRAMS = ("lmserve_time_to_first_token_seconds", "lmserve_inter_token_latency_seconds")
 CAPITAL = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}
@@ -160,3 +160,21 @@ def test_fit_answers_what_a_context_would_cost(smollm2_server):
     assert fit["fits"] and fit["weight_bytes"] > 0 and fit["largest_ctx_one_slot"] > 4096
     bad = httpx.get(smollm2_server.base_url + "/fit", params={"ctx": 0})
     assert bad.status_code == 400 and "ctx" in bad.text
+    kv = httpx.get(smollm2_server.base_url + "/health").json()["kv"]
+    assert (kv["type"], kv["bytes_per_token"]) == ("f32", 46_080)
+
+
+def test_a_quantized_kv_cache_is_priced_reported_and_answers_right() -> None:
+    """--kv-type q8_0: the banner and /health name it, the RAM guard prices a SmolLM2 position at
+    q8_0's 12,240 bytes (34 per 32 values: 0.27x float32) in /fit and the slots it sizes, and the
+    embedded model still answers the README's question right."""
+    with start_server("--kv-type", "q8_0", "--ctx", "2048") as server:
+        assert "keys and values as q8_0 (12.0 KiB a position)" in server.log()
+        kv = httpx.get(server.base_url + "/health").json()["kv"]
+        assert (kv["type"], kv["bytes_per_token"]) == ("q8_0", 12_240)
+        fit = httpx.get(server.base_url + "/fit", params={"ctx": 4096, "slots": 2}).json()
+        assert (fit["kv_bytes_per_token"], fit["bytes_per_slot"]) == (12_240, 12_240 * 4096)
+        reply = httpx.post(server.base_url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16}).json()
+        assert "Paris" in reply["choices"][0]["message"]["content"]
+        assert httpx.get(server.base_url + "/health").json()["kv"]["kv_bytes"] > 0

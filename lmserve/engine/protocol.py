@@ -57,7 +57,9 @@ class Engine(Protocol[C]):
     name: str  # "cpu" or "mlx"
     device: str  # human-readable device, e.g. "numpy (2 threads)" or "gpu (Metal)"
     weight_bytes: int  # bytes the resident weights take
-    kv_dtype_bytes: int  # bytes per cached key or value element (the RAM guard prices slots with it)
+    kv_type: str  # what keys and values are cached as: a name of `kv_types.KV_TYPES` (`--kv-type`)
+    kv_dtype_bytes: float  # bytes per cached key or value element, block scales included (the RAM guard prices slots with it)
+    state_dtype_bytes: int  # bytes per element of a recurrent state (kept unquantized)
     # The part of each cached position this process holds: 1, or a distributed rank's (its KV
     # heads, or its layers; the largest rank's).
     kv_share: float = 1.0
@@ -103,7 +105,7 @@ class Engine(Protocol[C]):
     def state_bytes(self) -> int:
         """Bytes one copy of a sequence's recurrent state costs this process (0 without recurrent
         layers): a hybrid cache holds its current state and up to `checkpoints_per_cache` more."""
-        return math.ceil(self.config.recurrent_state_bytes(self.kv_dtype_bytes) * self.kv_share)
+        return math.ceil(self.config.recurrent_state_bytes(self.state_dtype_bytes) * self.kv_share)
 
     def resume_point(self, cache: C, n: int) -> int:
         """The longest prefix of at most `n` positions that `truncate` and `copy_prefix` reach

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from lmserve.engine.kv_types import AUTO
 from lmserve.engine.protocol import Engine
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
@@ -36,14 +37,15 @@ def select_engine(kind: str) -> str:
 
 
 def load_engine(kind: str, gguf: GGUFFile, config: ModelConfig,
-                progress: Callable[[int, int], None] | None = None) -> Engine:
-    """Build the engine `kind` resolves to, loading the model's weights onto it."""
+                progress: Callable[[int, int], None] | None = None, kv_type: str = AUTO) -> Engine:
+    """Build the engine `kind` resolves to, loading the model's weights onto it, its KV cache
+    stored as `kv_type` (ModelLoadError where that engine or model cannot)."""
     if select_engine(kind) == "cpu":
         from lmserve.engine_cpu import CPUEngine
 
-        return CPUEngine(gguf, config, progress)
+        return CPUEngine(gguf, config, progress, kv_type=kv_type)
     try:
         from lmserve.engine_mlx import MLXEngine
     except ImportError as exc:
         raise ModelLoadError(f"the MLX engine needs the mlx and mlx-lm packages: {exc}") from None
-    return MLXEngine(gguf, config, progress)
+    return MLXEngine(gguf, config, progress, kv_type=kv_type)

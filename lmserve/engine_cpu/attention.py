@@ -44,11 +44,15 @@ def attend(x: np.ndarray, a: AttentionWeights, batch: Batch, layer: int,
     out = np.empty((n, nq * hd), dtype=np.float32)
     for s in batch.spans:
         end = s.start + batch.width
-        keys, values = s.cache.k[layer], s.cache.v[layer]
-        keys[:, s.start:end] = k[s.lo:s.hi].transpose(1, 0, 2)
-        values[:, s.start:end] = v[s.lo:s.hi].transpose(1, 0, 2)
-        out[s.lo:s.hi] = ops.attention(q[s.lo:s.hi], keys[:, :end], values[:, :end], s.start, scale,
-                                       a.window, a.sinks)
+        keys, values, codec = s.cache.k[layer], s.cache.v[layer], s.cache.codec
+        keys[:, s.start:end] = codec.encode(k[s.lo:s.hi].transpose(1, 0, 2))
+        values[:, s.start:end] = codec.encode(v[s.lo:s.hi].transpose(1, 0, 2))
+        # Only the positions some row of the pass can see are read back (a sliding window's).
+        # A quantized cache holds them in a turned basis: the query turns the same way, the output back.
+        first = max(0, s.start - a.window + 1) if a.window else 0
+        mixed = ops.attention(codec.turn(q[s.lo:s.hi]), codec.decode(keys[:, first:end]),
+                              codec.decode(values[:, first:end]), s.start - first, scale, a.window, a.sinks)
+        out[s.lo:s.hi] = codec.unturn(mixed.reshape(-1, nq, hd)).reshape(-1, nq * hd)
     if gate is not None:
         out *= ops.sigmoid(gate)
     out = ops.linear(out, a.o)

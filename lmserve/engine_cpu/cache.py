@@ -1,10 +1,12 @@
 """The CPU engine's cache of one sequence: every attention layer's keys and values, every recurrent
 layer's state, and the token ids it holds.
 
-Keys and values are float32, one array per attention layer, `[kv_head, position, head_dim]` (a
-layer's own geometry: Gemma 4's sliding and global layers differ): a head's keys for the first `n`
-positions are one contiguous run, so attention reads them without a copy, and growing, copying a
-prefix or saving the valid part is one slice per array. They grow in steps up to a fixed capacity.
+Keys and values are one array per attention layer, `[kv_head, position, row]` (a layer's own
+geometry: Gemma 4's sliding and global layers differ), a row being one position's head in the
+cache's `--kv-type` (float32 by default; float16, or q8_0 / q4_0 blocks: `kv_codec.py`): a head's
+keys for the first `n` positions are one contiguous run, so attention reads float32 ones without a
+copy, and growing, copying a prefix or saving the valid part is one slice per array, whatever the
+type. They grow in steps up to a fixed capacity.
 
 A recurrent layer (Qwen3.5's Gated DeltaNet) keeps no position axis, only its state after the last
 position: the convolution's window (its last kernel - 1 inputs) and the delta-rule state. Such a
@@ -22,12 +24,14 @@ from pathlib import Path
 import numpy as np
 
 from lmserve.engine.checkpoints import Checkpoints
+from lmserve.engine.kv_types import KV_TYPES
 from lmserve.engine.protocol import CacheFullError
+from lmserve.engine_cpu.kv_codec import KVCodec
 from lmserve.model.config import ModelConfig
 
 GROW_STEP = 256  # positions added per reallocation
 TOKEN_BYTES = 4  # each cached position's token id (int32)
-_FORMAT = "lmserve-cpu-kv-2"
+_FORMAT = "lmserve-cpu-kv-3"  # 3: keys and values in the file's own kv_type
 
 LayerState = tuple[np.ndarray, np.ndarray]  # conv window [kernel - 1, conv_dim], delta-rule state [v_heads, k_dim, v_dim]
 State = dict[int, LayerState]  # by layer index; a layer absent is at its empty (zero) state
@@ -40,15 +44,20 @@ class Layout:
     kv: tuple[tuple[int, int] | None, ...]  # per layer: (KV heads, head size) of attention, None if recurrent
     conv: tuple[int, int] = (0, 0)  # a recurrent layer's conv window (kernel - 1, channels)
     ssm: tuple[int, int, int] = (0, 0, 0)  # and its delta-rule state (value heads, key dim, value dim)
+    kv_type: str = "f32"  # what keys and values are stored as (`--kv-type`)
 
     @classmethod
-    def of(cls, config: ModelConfig) -> Layout:
+    def of(cls, config: ModelConfig, kv_type: str = "f32") -> Layout:
         kv = tuple(None if config.is_recurrent(i) else (config.kv_heads(i), config.head_size(i))
                    for i in range(config.n_layers))
         la = config.linear_attention
         if la is None or not config.is_hybrid:
-            return cls(kv)
-        return cls(kv, (la.conv_kernel - 1, la.conv_dim), (la.v_heads, la.head_k_dim, la.head_v_dim))
+            return cls(kv, kv_type=kv_type)
+        return cls(kv, (la.conv_kernel - 1, la.conv_dim), (la.v_heads, la.head_k_dim, la.head_v_dim), kv_type)
+
+    @property
+    def codec(self) -> KVCodec:
+        return KVCodec(KV_TYPES[self.kv_type])
 
     @property
     def recurrent(self) -> list[int]:
@@ -74,6 +83,7 @@ class CPUCache:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         self.layout = layout
+        self.codec = layout.codec
         self._capacity = max_tokens
         self.length = 0
         self.k: list[np.ndarray] = [self._empty(li, 0) for li in range(len(layout.kv))]
@@ -86,7 +96,7 @@ class CPUCache:
     def _empty(self, layer: int, positions: int) -> np.ndarray:
         """A layer's K or V array (a recurrent layer's holds nothing)."""
         heads, head_dim = self.layout.kv[layer] or (0, 0)
-        return np.zeros((heads, positions, head_dim), dtype=np.float32)
+        return self.codec.empty(heads, positions, head_dim)
 
     @property
     def capacity(self) -> int:
@@ -190,11 +200,12 @@ class CPUCache:
     # -- files -------------------------------------------------------------------------------
 
     def save(self, path: Path) -> None:
-        """Write the valid positions, the token ids, the recurrent state and its checkpoints, and
-        the layout they belong to (uncompressed .npz, one array per layer)."""
+        """Write the valid positions, the token ids, the recurrent state and its checkpoints, the
+        layout they belong to and the type keys and values are stored in (uncompressed .npz, one
+        array per layer)."""
         n = self.length
         arrays = {"format": np.array(_FORMAT), "layout": np.array(self.layout.key()),
-                  "tokens": self.tokens[:n]}
+                  "kv_type": np.array(self.layout.kv_type), "tokens": self.tokens[:n]}
         for li in self.layout.attention:
             arrays[f"k{li}"], arrays[f"v{li}"] = self.k[li][:, :n], self.v[li][:, :n]
         if self.layout.recurrent:
@@ -209,7 +220,9 @@ class CPUCache:
 
     @classmethod
     def load(cls, layout: Layout, path: Path, max_tokens: int, checkpoints: int) -> CPUCache:
-        """Read a cache written by `save`; refuse one of another format or layout."""
+        """Read a cache written by `save`; refuse one of another format or layout. Keys and values
+        saved in another `--kv-type` are converted to this cache's (read back as float32, stored
+        again), never read as if they were of this one."""
         cache = cls(layout, max_tokens, checkpoints)
         with np.load(path, allow_pickle=False) as data:
             if "format" not in data or str(data["format"]) != _FORMAT:
@@ -218,12 +231,19 @@ class CPUCache:
             if saved != layout.key():
                 raise ValueError(f"{path} holds a KV cache of layout {saved} (layers, then KV heads and head "
                                  f"size per layer, then the recurrent state's shapes); this model needs {layout.key()}")
+            saved_type = str(data["kv_type"])
+            if saved_type not in KV_TYPES:
+                raise ValueError(f"{path} holds keys and values of an unknown type {saved_type!r}")
+            convert = saved_type != layout.kv_type
+            saved_codec = KVCodec(KV_TYPES[saved_type])
             tokens = data["tokens"]
             n = len(tokens)
             cache.reserve(n)
             cache.tokens[:n] = tokens
             for li in layout.attention:
-                cache.k[li][:, :n], cache.v[li][:, :n] = data[f"k{li}"], data[f"v{li}"]
+                for stored, name in ((cache.k[li], f"k{li}"), (cache.v[li], f"v{li}")):
+                    saved = data[name]
+                    stored[:, :n] = cache.codec.encode(saved_codec.values(saved)) if convert else saved
             if layout.recurrent:
                 states: list[State] = [{} for _ in data["positions"]]
                 for li in layout.recurrent:

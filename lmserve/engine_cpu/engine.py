@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lmserve.engine.kv_types import AUTO, KV_TYPES, check_head_sizes
 from lmserve.engine.protocol import Engine, check_token_ids, verify_rows
 from lmserve.engine_cpu import delta_net, ops
 from lmserve.engine_cpu.attention import attend
@@ -45,22 +46,27 @@ class CPUEngine(Engine[CPUCache]):
     Phi-3, gpt-oss, Qwen3.5 and its MoE, Gemma 4) on NumPy float32 and quantized-matrix kernels."""
 
     name = "cpu"
-    kv_dtype_bytes = 4  # keys, values and recurrent states are cached as float32
+    state_dtype_bytes = 4  # recurrent states are kept as float32 whatever --kv-type says
     quant_summary = ""  # the file's own values are kept (quantized or float32): nothing converted to report
     device_argmax = False  # the logits are on the host already: an argmax here saves nothing
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig,
                  progress: Callable[[int, int], None] | None = None,
-                 available_memory: int | None = None, quantized: bool | None = None) -> None:
+                 available_memory: int | None = None, quantized: bool | None = None,
+                 kv_type: str = AUTO) -> None:
         """`available_memory`: bytes the weights may take (None: what psutil reports available);
         a model whose weights need more is refused with `ModelLoadError`. `quantized`: keep
         quantized matrices quantized (None: when the compiled kernels run here; False: float32
-        throughout, the reference arithmetic)."""
+        throughout, the reference arithmetic). `kv_type`: what keys and values are cached as
+        (`auto`: float32); ModelLoadError for a block type the model's head sizes do not divide."""
         self.config = config
+        self.kv_type = "f32" if kv_type == AUTO else kv_type
+        check_head_sizes(KV_TYPES[self.kv_type], (config.head_size(i) for i in config.attention_layers))
+        self.kv_dtype_bytes = KV_TYPES[self.kv_type].bytes_per_element
         quantized = kernels_available() if quantized is None else quantized
         self.weights = load_weights(gguf, config, progress, available_memory, quantized)
         self._activation = ops.GATED_ACTIVATIONS[config.activation]
-        self._layout = Layout.of(config)
+        self._layout = Layout.of(config, self.kv_type)
         self.weight_bytes = self.weights.nbytes
         if quantized:
             from lmserve.engine_cpu import kernels

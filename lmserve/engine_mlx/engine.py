@@ -33,10 +33,12 @@ from gguf import GGMLQuantizationType
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, save_prompt_cache
 
+from lmserve.engine.kv_types import AUTO, KV_TYPES, check_head_sizes
 from lmserve.engine.protocol import Engine, check_token_ids, verify_rows
 from lmserve.engine_mlx import disk_cache
 from lmserve.engine_mlx.hybrid import State, flatten, recurrent, restore, snapshot, unflatten
 from lmserve.engine_mlx.kv import Batch, Layer, MergedLayer, MLXKVCache, layer_arrays
+from lmserve.engine_mlx.kv_quant import Packing, store
 from lmserve.engine_mlx.layout import undo_gguf_layout
 from lmserve.engine_mlx.model import LAYER_PARAM, build_model, gguf_names, output_head
 from lmserve.engine_mlx.weights import Choice, convert, reads_natively, summarize
@@ -53,6 +55,10 @@ def describe_device() -> str:
     if mx.default_device().type == mx.DeviceType.cpu:
         return "cpu (MLX CPU backend)"
     return "gpu (Metal)" if mx.metal.is_available() else "gpu (CUDA)"
+
+
+_DTYPE_NAMES = {mx.float32: "f32", mx.float16: "f16"}  # --kv-type's names (bfloat16 has none there)
+QUANTIZED = ("q8_0", "q4_0")
 
 
 def compute_dtype(gguf: GGUFFile) -> mx.Dtype:
@@ -94,13 +100,23 @@ class MLXEngine(Engine[MLXKVCache]):
     queue_next_step = True
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig, progress: Progress | None = None,
-                 cache_dir: Path | None = None) -> None:
+                 cache_dir: Path | None = None, kv_type: str = AUTO) -> None:
+        """`kv_type`: `auto` caches keys and values in the compute dtype; q8_0 / q4_0 pack them
+        quantized (kv_quant.py); f32 / f16 are refused unless the compute dtype is that one."""
         self.config = config
         self.device = describe_device()
         self.dtype = compute_dtype(gguf)
         # On MLX's CPU backend a verify pass costs nearly a decode step a row (figures: docs/PERFORMANCE.md)
         self.cheap_verify = mx.default_device().type != mx.DeviceType.cpu
-        self.kv_dtype_bytes = self.dtype.size  # keys and values are cached in the compute dtype
+        self.kv_type = _DTYPE_NAMES.get(self.dtype, "bf16") if kv_type == AUTO else kv_type
+        self._packing = Packing(KV_TYPES[kv_type].bits, self.dtype) if kv_type in QUANTIZED else None
+        if self._packing is None and self.kv_type != _DTYPE_NAMES.get(self.dtype, "bf16"):
+            raise ModelLoadError(f"--kv-type {kv_type}: the MLX engine caches unquantized keys and values in its "
+                                 f"compute dtype ({self.dtype}); choose auto, q8_0 or q4_0")
+        if self._packing is not None:
+            check_head_sizes(KV_TYPES[kv_type], (config.head_size(i) for i in config.attention_layers))
+        self.state_dtype_bytes = self.dtype.size  # recurrent states: the compute dtype
+        self.kv_dtype_bytes = self._packing.bytes_per_element if self._packing else self.dtype.size
         self.stream = mx.new_thread_local_stream(mx.default_device())  # all of this engine's work
         with mx.stream(self.stream):
             self.model = self._build_model(config, gguf)
@@ -111,7 +127,7 @@ class MLXEngine(Engine[MLXKVCache]):
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         self._queued: _QueuedGreedyStep | None = None
         self._head = output_head(self.model, config)
-        self._geometry = _geometry(config, self.dtype)
+        self._geometry = f"{_geometry(config, self.dtype)};kv={self.kv_type}"  # a file of another type is refused
 
     def _build_model(self, config: ModelConfig, gguf: GGUFFile) -> nn.Module:
         """The network, before its weights load (a pipeline rank drops the others' layers)."""
@@ -241,7 +257,7 @@ class MLXEngine(Engine[MLXKVCache]):
     def new_cache(self, capacity: int) -> MLXKVCache:
         windows = [self.config.sliding_window if sliding else 0 for sliding in self.config.sliding_layers]
         return MLXKVCache(self.config.n_layers, capacity, windows, self.config.recurrent_layers,
-                          self.checkpoints_per_cache)
+                          self.checkpoints_per_cache, self._packing)
 
     def prefill(self, cache: MLXKVCache, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         ids = self._check_ids(token_ids)
@@ -393,7 +409,7 @@ class MLXEngine(Engine[MLXKVCache]):
         """`layer`, empty, given its own preallocated storage holding the first `n` positions of
         attention layer `src` (a recurrent layer is left empty: its state is restored)."""
         if n and isinstance(layer, KVCache) and src.keys is not None:
-            layer.update_and_fetch(src.keys[..., :n, :], src.values[..., :n, :])
+            store(layer, src.keys[..., :n, :], src.values[..., :n, :])
         return layer
 
     def save_cache(self, cache: MLXKVCache, path: Path) -> None:

@@ -16,6 +16,9 @@ drop trims only its attention layers (what a verify pass drops is padding its re
 masked from), and cutting a hybrid row back takes it out of the batch first (engine.py,
 hybrid.py). The sequence's token ids, checkpoints and kept state are its `hybrid` record.
 
+With `--kv-type q8_0 / q4_0` an attention layer's rows are packed quantized (kv_quant.py): the
+same classes hold them, quantizing what a step appends and unpacking what attention reads.
+
 A sliding-window layer (Gemma 3 and 4, gpt-oss) keeps every position too, not only its window as
 mlx-lm's `RotatingKVCache` does, so that a cache can be truncated or copied to any prefix for KV
 reuse; but it hands attention only the positions some query of the step can see (the window, plus
@@ -33,6 +36,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from lmserve.engine.protocol import CacheFullError
 from lmserve.engine_mlx.hybrid import Recurrence, snapshot
+from lmserve.engine_mlx.kv_quant import Packing, Quantized, QuantizedBatchKVCache, QuantizedKVCache
 
 Layer = KVCache | ArraysCache  # one layer of one sequence
 MergedLayer = BatchKVCache | ArraysCache  # one layer of several
@@ -92,24 +96,47 @@ class BatchWindowKVCache(BatchKVCache):
         return layer
 
 
+class QuantizedWindowKVCache(Quantized, WindowKVCache):
+    def __init__(self, window: int, packing: Packing) -> None:
+        super().__init__(window)
+        self.packing = packing
+
+
+class QuantizedBatchWindowKVCache(Quantized, BatchWindowKVCache):
+    def extract(self, idx: int) -> KVCache:
+        row = super().extract(idx)
+        layer = QuantizedWindowKVCache(self.window, self.packing)
+        layer.keys, layer.values, layer.offset = row.keys, row.values, row.offset
+        return layer
+
+
 def merged(layers: Sequence[Layer]) -> MergedLayer:
-    """One layer of several sequences as one batch cache, windowed when the layer is."""
-    if isinstance(layers[0], ArraysCache):
+    """One layer of several sequences as one batch cache, windowed and quantized when the layer is
+    (merge makes a plain BatchKVCache of the rows as stored: packed ones stay packed)."""
+    first = layers[0]
+    if isinstance(first, ArraysCache):
         return ArraysCache.merge(layers)
     batch = BatchKVCache.merge(layers)
-    if isinstance(layers[0], WindowKVCache):  # (merge makes a plain BatchKVCache of empty rows itself)
-        batch.__class__ = BatchWindowKVCache
-        batch.window = layers[0].window
+    quantized = isinstance(first, Quantized)
+    if isinstance(first, WindowKVCache):
+        batch.__class__ = QuantizedBatchWindowKVCache if quantized else BatchWindowKVCache
+        batch.window = first.window
+    elif quantized:
+        batch.__class__ = QuantizedBatchKVCache
+    if quantized:
+        batch.packing = first.packing
     return batch
 
 
 class MLXKVCache:
     """One sequence's keys and values on the device. `windows`: per layer, the positions a
     sliding layer attends (0: all); `recurrent`: per layer, whether it is a recurrent layer (then
-    the cache is hybrid and keeps up to `checkpoints` recurrent-state checkpoints)."""
+    the cache is hybrid and keeps up to `checkpoints` recurrent-state checkpoints); `packing`:
+    how attention layers quantize their keys and values (None: as computed)."""
 
     def __init__(self, n_layers: int, max_tokens: int, windows: Sequence[int] = (),
-                 recurrent: Sequence[bool] = (), checkpoints: int = 1) -> None:
+                 recurrent: Sequence[bool] = (), checkpoints: int = 1, packing: Packing | None = None) -> None:
+        self.packing = packing
         self.windows = tuple(windows) or (0,) * n_layers
         self.recurrent = tuple(recurrent) or (False,) * n_layers
         self.layers: list[Layer] = [self.empty_layer(i) for i in range(n_layers)]
@@ -137,7 +164,10 @@ class MLXKVCache:
     def empty_layer(self, i: int) -> Layer:
         if self.recurrent[i]:
             return ArraysCache(size=2)
-        return WindowKVCache(self.windows[i]) if self.windows[i] else KVCache()
+        window, packing = self.windows[i], self.packing
+        if packing is not None:
+            return QuantizedWindowKVCache(window, packing) if window else QuantizedKVCache(packing)
+        return WindowKVCache(window) if window else KVCache()
 
     def own(self) -> list[Layer]:
         """This sequence's own per-layer caches, taking its row back from a batch if needed."""

@@ -8,6 +8,7 @@ layers and its SwiGLU clamp), `model/families.py` holds it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,9 +148,10 @@ class ModelConfig:
         """Some layers keep a recurrent state: caches cut back only to checkpoints."""
         return any(self.recurrent_layers)
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
-        """Bytes one cached position costs: K and V, every attention layer, every KV head."""
-        return sum(2 * self.kv_heads(i) * self.head_size(i) * dtype_bytes for i in self.attention_layers)
+    def kv_bytes_per_token(self, dtype_bytes: float = 4) -> int:
+        """Bytes one cached position costs: K and V, every attention layer, every KV head
+        (`dtype_bytes` per value: 1.0625 for q8_0's blocks, say)."""
+        return math.ceil(sum(2 * self.kv_heads(i) * self.head_size(i) * dtype_bytes for i in self.attention_layers))
 
     def recurrent_state_bytes(self, conv_dtype_bytes: int = 4) -> int:
         """Bytes of one sequence's recurrent state, all recurrent layers (0 for attention-only

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import NoReturn
 
+from lmserve.engine.kv_types import AUTO
 from lmserve.engine_mlx.distributed.follower import follow
 from lmserve.engine_mlx.distributed.group import (
     GroupEnd,
@@ -41,7 +42,7 @@ __all__ = ["GroupRefused", "LockstepEngine", "init_group", "load"]
 
 
 def load(gguf: GGUFFile, config: ModelConfig, mode: str, exit_process: Callable[[int], NoReturn],
-         progress: Progress | None = None) -> LockstepEngine | None:
+         progress: Progress | None = None, kv_type: str = AUTO) -> LockstepEngine | None:
     """Build this rank's shard. Rank 0 gets its LockstepEngine; any other rank serves rank 0's
     commands here until the group stops and gets None (it must then exit, never binding HTTP).
     A broken group ends the process with `exit_process(1)` (the caller decides how a process ends)."""
@@ -50,7 +51,7 @@ def load(gguf: GGUFFile, config: ModelConfig, mode: str, exit_process: Callable[
         check_shardable(config, mode, group.size())
     except ModelLoadError as exc:
         refuse(group, exc)
-    engine = ENGINES[mode](gguf, config, group, progress if group.rank() == 0 else None)
+    engine = ENGINES[mode](gguf, config, group, progress if group.rank() == 0 else None, kv_type)
     ranks = gather_ranks(group, engine.weight_bytes)
     end = GroupEnd(exit_process)
     if group.rank() != 0:

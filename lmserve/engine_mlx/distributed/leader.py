@@ -41,7 +41,8 @@ class LockstepEngine(Engine[MLXKVCache]):
         self.device = f"{inner.device}, {inner.parallelism} over {self.world} ranks"
         self.kv_share = inner.kv_share
         self.weight_bytes = inner.weight_bytes
-        self.kv_dtype_bytes = inner.kv_dtype_bytes
+        self.kv_type, self.kv_dtype_bytes = inner.kv_type, inner.kv_dtype_bytes
+        self.state_dtype_bytes = inner.state_dtype_bytes
         self.quant_summary = inner.quant_summary
         self.device_argmax = inner.device_argmax
         self.cheap_verify = inner.cheap_verify

@@ -7,6 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from lmserve.engine.kv_types import AUTO
 from lmserve.engine_mlx import pipeline
 from lmserve.engine_mlx.engine import MLXEngine, Progress
 from lmserve.engine_mlx.model import family_of, text_model
@@ -21,9 +22,9 @@ class ShardedMLXEngine(MLXEngine):
     parallelism = ""  # for the banner
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig, group: mx.distributed.Group,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, kv_type: str = AUTO) -> None:
         self.group = group
-        super().__init__(gguf, config, progress)
+        super().__init__(gguf, config, progress, kv_type=kv_type)
 
 
 class TensorParallelEngine(ShardedMLXEngine):
@@ -32,10 +33,10 @@ class TensorParallelEngine(ShardedMLXEngine):
     parallelism = "tensor parallel"
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig, group: mx.distributed.Group,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, kv_type: str = AUTO) -> None:
         self.kv_share = 1 / group.size()  # each rank caches 1/N of the KV heads (and recurrent state)
         self._sharded_a_layer = False
-        super().__init__(gguf, config, group, progress)
+        super().__init__(gguf, config, group, progress, kv_type)
 
     def _layer_loaded(self, layer: int) -> None:
         """mlx-lm's `shard`, on this one layer (it shards every layer of the list it finds),
@@ -62,11 +63,11 @@ class PipelineParallelEngine(ShardedMLXEngine):
     """A run of whole layers (pipeline.py)."""
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig, group: mx.distributed.Group,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, kv_type: str = AUTO) -> None:
         self.layer_split = pipeline.LayerSplit(config.n_layers, group, family_of(config).tuple_layers)
         self.parallelism = f"pipeline parallel ({self.layer_split.describe()})"
         self.kv_share = self.layer_split.kv_share
-        super().__init__(gguf, config, group, progress)
+        super().__init__(gguf, config, group, progress, kv_type)
 
     def _build_model(self, config: ModelConfig, gguf: GGUFFile) -> nn.Module:
         model = super()._build_model(config, gguf)
