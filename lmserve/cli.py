@@ -273,7 +273,7 @@ def serve(settings: Settings) -> None:
     runtime.start()
     guard = GuardOptions(api_key=settings.api_key, max_conns=settings.conns,
                          max_body=settings.max_body or default_max_body(runtime.ctx),
-                         check_host=loopback, allowed_hosts=set(settings.allow_host),
+                         check_host=loopback, allowed_hosts=set(settings.allow_host), cors_origins=set(settings.cors),
                          draining=lambda: runtime.draining, shutdown_error=shutting_down)
     app = server_app(runtime, guard, settings.cors)
     ready_s = time.time() - process_start

@@ -197,4 +197,4 @@ class Runtime:
 def shutting_down() -> RequestError:
     """A request that arrives while the server drains: 503, and the connection is not reused."""
     return RequestError("the server is shutting down; retry against another instance or after it restarts",
-                        503, None, "server_shutting_down", {"Connection": "close"})
+                        503, None, "server_shutting_down", {"Connection": "close", "Retry-After": "5"})

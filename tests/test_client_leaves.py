@@ -198,7 +198,7 @@ def test_requests_arriving_during_the_drain_get_503_in_their_own_envelope():
         for name, pending in socks.items():
             status, headers, body = pending.response()
             assert status == 503, (name, body)
-            assert headers["connection"] == "close"
+            assert headers["connection"] == "close" and headers["retry-after"] == "5"
             payload = json.loads(body)
             if name == "messages":
                 assert payload["type"] == "error" and payload["error"]["type"] == "overloaded_error"

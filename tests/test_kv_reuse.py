@@ -128,6 +128,42 @@ def test_corrupt_and_truncated_files_are_skipped(smollm2, tmp_path, caplog):
     assert len(tier) == 0
 
 
+def test_an_edited_token_list_links_and_a_killed_spill_are_never_trusted(smollm2, tmp_path, caplog):
+    """A header whose token ids were edited (one id, same length) matches the edited prompt but
+    its digest does not: it is skipped and the prompt prefilled cold, never served another
+    prompt's KV. A dangling link and a FIFO named like cache files are skipped at startup (a
+    FIFO's read would block forever); a working folder that a killed server left is swept."""
+    import os
+    import time
+
+    from lmserve.serving.kv_disk import STALE_TEMP_S, TEMP_PREFIX
+
+    model, engine = smollm2
+    tier = disk_tier(model, engine, tmp_path)
+    pool = SlotPool(engine, 1, CTX, tier)
+    prompt = list(range(300, 360))
+    greedy(engine, pool, prompt, 1)
+    pool.acquire([5] * 30)  # spills the slot
+    (path,) = tmp_path.glob("*.lmkv")
+    data = path.read_bytes()
+    edited = prompt.copy()
+    edited[40] = 999
+    path.write_bytes(data.replace(b", 340,", b", 999,", 1))
+    assert b", 999," in path.read_bytes()
+    (tmp_path / "gone.lmkv").symlink_to(tmp_path / "nowhere")
+    os.mkfifo(tmp_path / "pipe.lmkv")
+    stale = tmp_path / f"{TEMP_PREFIX}abc"
+    stale.mkdir()
+    (stale / "payload").write_bytes(b"half a spill")
+    os.utime(stale, (time.time() - STALE_TEMP_S - 1,) * 2)
+    restarted = disk_tier(model, engine, tmp_path)  # returns: no read blocked on the FIFO
+    assert len(restarted) == 1 and not stale.exists()
+    assert "gone.lmkv" in caplog.text and "pipe.lmkv" in caplog.text
+    adoption = SlotPool(engine, 1, CTX, restarted).acquire(edited + [1])
+    assert adoption.how == "reset" and adoption.reused == 0
+    assert "digest does not match" in caplog.text and len(restarted) == 0
+
+
 def test_ram_guard_warns_clamps_and_can_be_forced():
     gib = 1024**3
     per_token = 46_080  # SmolLM2 on the NumPy engine: 2 x 30 layers x 3 KV heads x 64 x 4 bytes

@@ -155,6 +155,15 @@ class CompiledGrammar:
         return GrammarConstraint(matcher, self._vocab_size)
 
 
+def clean_error(message: str) -> str:
+    """llguidance's message for the client: an internal panic (a grammar past its limits, such as
+    thousands of tools) loses its Rust backtrace and says what happened in words."""
+    if "panic" not in message and "<backtrace>" not in message:
+        return message
+    first = message.split("<backtrace>")[0].strip().splitlines()[0]
+    return f"the grammar engine could not compile this grammar (too large or too complex: {first})"
+
+
 class Grammars:
     """The model's llguidance tokenizer and an LRU cache of compiled grammars keyed by source."""
 
@@ -185,7 +194,7 @@ class Grammars:
         ll = self.ll_tokenizer
         matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(matcher.get_error())
+            raise GrammarError(clean_error(matcher.get_error()))
         compiled = CompiledGrammar(matcher, ll, self._tokenizer.vocab_size, self._lock)
         with self._lock:
             self._cache[grammar] = compiled

@@ -79,6 +79,20 @@ def parse_turn(raw: schema.AnthropicMessage, where: str) -> list[Message]:
     return out
 
 
+def check_tool_results(turn: schema.AnthropicMessage, previous: schema.AnthropicMessage | None, where: str) -> None:
+    """As Anthropic's API: each tool_result answers a tool_use of the assistant turn just before it."""
+    if isinstance(turn.content, str):
+        return
+    asked = {block.id for block in (previous.content if previous is not None and previous.role == "assistant"
+                                    and not isinstance(previous.content, str) else [])
+             if isinstance(block, schema.ToolUseBlock)}
+    for j, block in enumerate(turn.content):
+        if isinstance(block, schema.ToolResultBlock) and block.tool_use_id not in asked:
+            raise invalid(f"{where}.content[{j}].tool_use_id",
+                          f"unexpected tool_use_id {block.tool_use_id!r}: each tool_result block must answer a "
+                          "tool_use block of the previous (assistant) message")
+
+
 def effort_level(thinking: schema.Thinking) -> str:
     """`thinking` as gpt-oss's reasoning_effort: disabled (or absent) low, adaptive medium,
     enabled by its budget (medium without one)."""
@@ -105,6 +119,7 @@ def parse_messages(raw: dict[str, Any], vocab_size: int, require_max_tokens: boo
     messages = [Message("system", system)] if system else []
     for i, turn in enumerate(body.messages):
         messages.extend(parse_turn(turn, f"messages[{i}]"))
+        check_tool_results(turn, body.messages[i - 1] if i else None, f"messages[{i}]")
     name_tool_results(messages)
     # Client tools' input_schema is always enforced once a call starts, leniently: a keyword the
     # grammar engine lacks (Claude Code uses `propertyNames`) is skipped, not refused.

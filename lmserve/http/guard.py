@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from lmserve.core.errors import RequestError
 from lmserve.http.common import dumps
@@ -24,12 +26,20 @@ PROBES = frozenset({"/health", "/metrics"})
 ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
 
 
+HOST_HEADER = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+)(:[0-9]{1,5})?")  # host[:port], nothing else
+
+
+def host_name(host: str) -> str | None:
+    """The name of a Host header (`127.0.0.1:8080` -> `127.0.0.1`, `[::1]` -> `::1`), or None
+    when it is not a plain host and port (`127.0.0.1:80@evil.com` is not)."""
+    match = HOST_HEADER.fullmatch(host.strip())
+    return match.group(1).strip("[]").lower() if match else None
+
+
 def is_loopback_host(host: str) -> bool:
-    name = host.strip().lower()
-    if name.startswith("["):
-        name = name[1:].split("]")[0]
-    elif name.count(":") == 1:
-        name = name.split(":")[0]
+    name = host_name(host)
+    if name is None:
+        return False
     if name == "localhost" or name.endswith(".localhost"):
         return True
     try:
@@ -45,6 +55,7 @@ class GuardOptions:
     max_body: int = 4 * 1024 * 1024
     check_host: bool = True  # on a loopback bind: refuse foreign Host headers (DNS rebinding)
     allowed_hosts: set[str] = field(default_factory=set)
+    cors_origins: set[str] = field(default_factory=set)  # --cors: the other origins a browser may call from
     draining: Callable[[], bool] = lambda: False  # shutdown has begun: refuse new work with 503
     shutdown_error: Callable[[], RequestError] | None = None  # the refusal while draining
 
@@ -64,7 +75,7 @@ class Guard:
         path = scope.get("path", "")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         probe = path in PROBES
-        refusal = self._refusal(path, headers, probe)
+        refusal = self._refusal(path, headers, probe, scope.get("method", "GET"))
         if refusal is not None:
             await _send_error(send, refusal, path)
             return
@@ -77,7 +88,13 @@ class Guard:
         finally:
             self.in_flight -= 1
 
-    def _refusal(self, path: str, headers: dict[str, str], probe: bool) -> RequestError | None:
+    def _same_or_allowed(self, origin: str, host: str) -> bool:
+        """An Origin header of the server's own address (its chat page) or one of --cors."""
+        if origin in self.options.cors_origins or "*" in self.options.cors_origins:
+            return True
+        return urlsplit(origin).netloc.lower() == host.strip().lower()
+
+    def _refusal(self, path: str, headers: dict[str, str], probe: bool, method: str = "GET") -> RequestError | None:
         opts = self.options
         if not probe and opts.draining() and opts.shutdown_error is not None:
             return opts.shutdown_error()
@@ -85,12 +102,20 @@ class Guard:
             return RequestError(f"too many concurrent connections (limit {opts.max_conns}); retry shortly",
                                 503, None, "too_many_connections", {"Retry-After": "1"})
         host = headers.get("host", "")
-        if opts.check_host and not (is_loopback_host(host) or host.split(":")[0] in opts.allowed_hosts):
+        if opts.check_host and not (is_loopback_host(host) or host_name(host) in opts.allowed_hosts):
             return RequestError(f"Host header {host!r} is not allowed on a loopback server "
                                 "(start with --allow-host to permit it)", 403, None, "host_not_allowed")
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > opts.max_body:
             return self._too_large()
+        origin = headers.get("origin")
+        if origin is not None and not self._same_or_allowed(origin, host):
+            # A web page of another origin may send a "simple" POST (text/plain, no preflight) to
+            # a local server: only --cors origins, and the server's own page, may call it.
+            return RequestError(f"requests from origin {origin!r} are not allowed (start with --cors {origin} "
+                                "to permit it)", 403, None, "origin_not_allowed")
+        if method == "OPTIONS" and "access-control-request-method" in headers:
+            return None  # a CORS preflight carries no credentials by design: the CORS layer answers it
         if opts.api_key and not self._open(path) and not self._authorized(headers):
             return RequestError("missing or invalid API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`",
                                 401, None, "invalid_api_key")

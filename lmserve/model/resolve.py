@@ -225,6 +225,9 @@ def _quant_word(file: str) -> str:
     return re.split(r"[-.]", stem)[-1]
 
 
+OLLAMA_DIGEST = re.compile(r"sha256[:-][0-9a-f]{64}")
+
+
 def _ollama_blob(manifest: Path) -> str | None:
     """The blob file name of a manifest's model layer (None: not a readable model manifest)."""
     try:
@@ -232,7 +235,8 @@ def _ollama_blob(manifest: Path) -> str | None:
         digest = next(layer["digest"] for layer in layers if layer.get("mediaType") == OLLAMA_MODEL_LAYER)
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, StopIteration):
         return None
-    return str(digest).replace(":", "-")
+    # Only a well-formed digest names a blob: a crafted one ("sha256:../../x") must not reach outside blobs/.
+    return str(digest).replace(":", "-") if OLLAMA_DIGEST.fullmatch(str(digest)) else None
 
 
 def _ollama_key(name: str) -> str:

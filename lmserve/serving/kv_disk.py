@@ -1,9 +1,13 @@
 """The disk tier of the KV slot pool: spilled caches that survive restarts.
 
 One file per spilled slot: a magic line, a JSON header (the model's fingerprint, KV geometry,
-token ids, payload size) and the engine's own saved cache as payload. Files are written under a
-temporary name and renamed, so a crash never leaves a half-written file under a real name; a
-file that is truncated or corrupt anyway is skipped with a warning and never served.
+token ids, payload size, and a SHA-256 digest of all of them with the payload) and the engine's
+own saved cache as payload. Files are written in a temporary folder and renamed into place, so a
+crash never leaves a half-written file under a real name (and the folders a killed server left
+are swept at the next start); a file that is truncated, corrupt or edited (its digest no longer
+matches: one token id changed in its header would otherwise serve its KV for another prompt) is
+skipped with a warning and never served, and so is anything in the directory that is not a
+regular file (a dangling link, a FIFO that would block a read forever).
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +30,8 @@ log = logging.getLogger("lmserve.kv")
 MAGIC = b"LMSERVE-KV 1\n"
 SUFFIX = ".lmkv"
 MIN_SPILL_TOKENS = 16  # shorter prefixes are cheaper to recompute than to keep on disk
+TEMP_PREFIX = "lmkv-tmp-"  # a spill's or restore's working folder
+STALE_TEMP_S = 600  # such a folder untouched this long was left by a server that died mid-spill
 
 
 @dataclass
@@ -32,6 +40,7 @@ class DiskEntry:
     tokens: tuple[int, ...]
     payload_offset: int
     payload_size: int
+    digest: str  # SHA-256 of the model, geometry, token ids and payload (`_digest`)
     shared: int = 0  # filled in by best_match for the prompt at hand
 
 
@@ -55,15 +64,38 @@ class DiskTier:
     # -- index -------------------------------------------------------------------------------
 
     def _scan(self) -> None:
-        """Index this model's files; others are ignored, broken ones skipped with a warning."""
-        for path in sorted(self.dir.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime):
+        """Sweep stale working folders, then index this model's files: others are ignored, broken
+        ones and anything that is not a regular file skipped with a warning."""
+        found: list[tuple[float, Path]] = []
+        for path in self.dir.iterdir():
+            try:
+                info = path.lstat()
+            except OSError:
+                continue
+            if path.name.startswith(TEMP_PREFIX) and stat.S_ISDIR(info.st_mode):
+                if time.time() - info.st_mtime > STALE_TEMP_S:
+                    shutil.rmtree(path, ignore_errors=True)
+                    log.warning("removed %s, left by a server stopped while spilling a KV cache", path)
+            elif path.suffix == SUFFIX and not stat.S_ISREG(info.st_mode):
+                log.warning("skipping KV cache entry %s: not a regular file", path)
+            elif path.suffix == SUFFIX:
+                found.append((info.st_mtime, path))
+        for _, path in sorted(found):
             entry = self._read_header(path)
             if entry is not None:
                 self._entries[path] = entry
         self._trim()
 
+    def _digest(self, tokens: list[int] | tuple[int, ...]) -> hashlib._Hash:
+        """A digest of this model's file for `tokens`, its payload still to be fed to it."""
+        digest = hashlib.sha256()
+        digest.update(json.dumps([self.fingerprint, self.geometry, list(tokens)]).encode())
+        return digest
+
     def _read_header(self, path: Path) -> DiskEntry | None:
         try:
+            if not stat.S_ISREG(path.lstat().st_mode):
+                raise ValueError("not a regular file")
             with open(path, "rb") as f:
                 if f.readline() != MAGIC:
                     raise ValueError("bad magic")
@@ -74,7 +106,7 @@ class DiskTier:
             size = int(header["payload_size"])
             if path.stat().st_size != offset + size:
                 raise ValueError(f"truncated: expected {offset + size} bytes")
-            return DiskEntry(path, tuple(int(t) for t in header["tokens"]), offset, size)
+            return DiskEntry(path, tuple(int(t) for t in header["tokens"]), offset, size, str(header["digest"]))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("skipping unreadable KV cache file %s: %s", path, exc)
             return None
@@ -105,11 +137,15 @@ class DiskTier:
             os.utime(path)
             return
         try:
-            with tempfile.TemporaryDirectory(dir=self.dir) as tmp:
+            with tempfile.TemporaryDirectory(dir=self.dir, prefix=TEMP_PREFIX) as tmp:
                 payload = Path(tmp) / "payload"
                 engine.save_cache(cache, payload)
+                digest = self._digest(tokens)
+                with open(payload, "rb") as src:
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
                 header = {"fingerprint": self.fingerprint, "geometry": self.geometry, "tokens": tokens,
-                          "payload_size": payload.stat().st_size}
+                          "payload_size": payload.stat().st_size, "digest": digest.hexdigest()}
                 partial = Path(tmp) / name
                 with open(partial, "wb") as out, open(payload, "rb") as src:
                     out.write(MAGIC + json.dumps(header).encode() + b"\n")
@@ -126,13 +162,18 @@ class DiskTier:
     def load(self, entry: DiskEntry, engine: Engine, max_tokens: int) -> KVCache | None:
         """The cache stored in `entry`, or None (and the entry dropped) when it cannot be read."""
         try:
-            with tempfile.TemporaryDirectory(dir=self.dir) as tmp:
+            with tempfile.TemporaryDirectory(dir=self.dir, prefix=TEMP_PREFIX) as tmp:
                 payload = Path(tmp) / "payload"
+                digest = self._digest(entry.tokens)
                 with open(entry.path, "rb") as src, open(payload, "wb") as out:
                     src.seek(entry.payload_offset)
-                    shutil.copyfileobj(src, out)
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
+                        out.write(chunk)
                 if payload.stat().st_size != entry.payload_size:
                     raise ValueError("truncated payload")
+                if digest.hexdigest() != entry.digest:
+                    raise ValueError("its digest does not match its token ids and payload (edited or damaged)")
                 cache = engine.load_cache(payload, max_tokens)
             if cache.length != len(entry.tokens):
                 raise ValueError(f"holds {cache.length} positions, header says {len(entry.tokens)}")
