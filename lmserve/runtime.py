@@ -46,6 +46,16 @@ class RuntimeStatus:
     warm: bool  # first-use work (tool parsers, grammar tokenizer) done
 
 
+@dataclass
+class PreparedChat:
+    """A chat rendered, tokenized and planned, ready to queue."""
+
+    request: ChatRequest
+    ids: list[int]
+    plan: ReplyPlan
+    history_end: int
+
+
 class Runtime:
     """Owns model, engine and scheduler for the lifetime of the server."""
 
@@ -128,22 +138,36 @@ class Runtime:
         return self.scheduler.stopping
 
     def count_prompt_tokens(self, request: ChatRequest) -> int:
-        return len(self.prompts.build(reasoning.settle(request, self.settings.reasoning_budget)))
+        return self.prompts.count(reasoning.settle(request, self.settings.reasoning_budget))
 
-    def start_chat(self, request: ChatRequest, observer: Observer | None = None) -> RequestHandle:
+    def prepare_chat(self, request: ChatRequest) -> PreparedChat:
+        """The CPU-heavy part of starting a chat (the template, grammars, tokenizing), safe on any
+        thread: the HTTP layer runs it off the event loop, so a huge body stalls no one else."""
         request = reasoning.settle(request, self.settings.reasoning_budget)
         prompt = self.prompts.render(request)
         plan = self.replies.plan(request, prompt)  # compiles grammars: a bad one is a 400 here
         ids = self.prompts.encode(prompt)
         history_end = self.prompts.history_end(request, ids) if self.engine.config.is_hybrid else 0
-        return self.start_job(ids, request.sampling, request.max_tokens, request.stop, request.session_id,
-                              plan, observer, history_end)
+        return PreparedChat(request, ids, plan, history_end)
+
+    def start_prepared(self, chat: PreparedChat, observer: Observer | None = None) -> RequestHandle:
+        """Queue a prepared chat (on the event loop: its events are delivered there)."""
+        request = chat.request
+        return self.start_job(chat.ids, request.sampling, request.max_tokens, request.stop, request.session_id,
+                              chat.plan, observer, chat.history_end)
+
+    def start_chat(self, request: ChatRequest, observer: Observer | None = None) -> RequestHandle:
+        return self.start_prepared(self.prepare_chat(request), observer)
+
+    def plan_completion(self, output_format: OutputFormat | None) -> ReplyPlan:
+        """Raw prompts' reply plan, its grammar compiled (CPU-heavy: any thread)."""
+        return self.replies.plan_completion(output_format)
 
     def start_completion(self, prompts: list[list[int]], sampling: SamplingParams, max_tokens: int | None,
-                         stop: list[str], output_format: OutputFormat | None, session_id: str | None = None,
+                         stop: list[str], plan: ReplyPlan, session_id: str | None = None,
                          observer: Observer | None = None) -> list[RequestHandle]:
-        """Raw prompts (no template), one job each, sharing one grammar plan; all or none are queued."""
-        plan = self.replies.plan_completion(output_format)
+        """Raw prompts (no template), one job each, sharing one grammar plan (`plan_completion`);
+        all or none are queued."""
         handles: list[RequestHandle] = []
         try:
             for prompt in prompts:

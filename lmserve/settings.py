@@ -113,6 +113,9 @@ class Settings:
         8, "hybrid models (Qwen3.5 / 3.6): recurrent-state checkpoints each KV slot keeps, the prefixes it can "
            "resume from (default 8; each costs one recurrent state)", low=1, high=256, metavar="N")
     conns: int = setting(32, "concurrent connections; beyond, 503 (default 32)", low=1)
+    read_timeout: float = setting(
+        30.0, "the most seconds a request body may stall between two of its parts; beyond, 408 (default 30)",
+        above=0, high=3600, metavar="SECONDS")
     api_key: str | None = setting(
         None, "require this key (Authorization: Bearer or x-api-key); env LMSERVE_API_KEY")
     allow_host: list[str] = setting(

@@ -1,17 +1,22 @@
 """What a hostile request or a hostile file must not get (issue 32), on a real server: a Host
 header that only looks local, a web page of another origin posting to the local server, a CORS
 preflight turned away by the key it cannot carry, a grammar past the grammar engine's limits, a
-tool result answering no call, an Ollama manifest pointing outside its blobs."""
+tool result answering no call, an Ollama manifest pointing outside its blobs, a body that stalls
+or is abandoned half-sent, and megabytes of body to parse while /health is probed."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import socket
+import time
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_util import start_server
+from tests.server_util import start_server, wait_for
 
 QUESTION = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 4}
 
@@ -104,3 +109,65 @@ def test_an_ollama_manifest_cannot_point_outside_its_blobs(tmp_path: Path, monke
     manifest.write_text(json.dumps({"layers": [{"mediaType": "application/vnd.ollama.image.model",
                                                 "digest": "sha256:../../secret.gguf"}]}))
     assert OllamaStore().scan(root) == []
+
+
+@pytest.fixture(scope="module")
+def impatient():
+    with start_server("--ctx", "2048", "--conns", "2", "--read-timeout", "1") as s:
+        yield s
+
+
+def partial_upload(server, body: bytes = b'{"messages": [') -> socket.socket:
+    """A POST whose headers promise more body than it sends."""
+    host, port = server.base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n" + body)
+    return sock
+
+
+def metric(server, name: str, **labels: str) -> float:
+    text = httpx.get(server.base_url + "/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def test_a_stalled_body_is_a_408_and_gives_its_place_back(impatient) -> None:
+    """Two clients that send headers and a few bytes hold both --conns places; each gets a 408
+    once a second passes with nothing more, and the server answers others again."""
+    stalled = [partial_upload(impatient) for _ in range(2)]
+    for sock in stalled:
+        status_line = sock.recv(4096).split(b"\r\n", 1)[0]
+        assert b" 408 " in status_line, status_line
+        sock.close()
+    wait_for(lambda: httpx.post(impatient.base_url + "/v1/chat/completions", json=QUESTION).status_code == 200)
+
+
+def test_a_client_leaving_mid_upload_is_counted_as_a_client_close(impatient) -> None:
+    errors = metric(impatient, "lmserve_requests_total", route="/chat/completions", status="500")
+    closed = metric(impatient, "lmserve_client_closed_total", route="/chat/completions")
+    partial_upload(impatient).close()
+    wait_for(lambda: metric(impatient, "lmserve_client_closed_total", route="/chat/completions") == closed + 1)
+    assert metric(impatient, "lmserve_requests_total", route="/chat/completions", status="500") == errors
+
+
+def test_health_answers_while_huge_bodies_are_parsed_and_counted(server) -> None:
+    """Six 3 MB count_tokens requests at once (tokenizing, rendering, parsing: CPU work that
+    froze the event loop for 16 s) while /health is probed: every probe answers promptly. The
+    bound is loose against a loaded CI machine; docs/PERFORMANCE.md has the measured p99."""
+    text = "lorem ipsum dolor sit amet " * 110_000  # 3 MB
+    body = {"model": "x", "messages": [{"role": "user", "content": text}]}
+    latencies: list[float] = []
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        counts = [pool.submit(httpx.post, server.base_url + "/v1/messages/count_tokens", json=body, timeout=300)
+                  for _ in range(6)]
+        while not all(f.done() for f in counts):
+            started = time.perf_counter()
+            assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
+            latencies.append(time.perf_counter() - started)
+            time.sleep(0.05)
+        assert all(f.result().status_code == 200 and f.result().json()["input_tokens"] > 500_000 for f in counts)
+    assert len(latencies) >= 5 and max(latencies) < 1.0, sorted(latencies)[-5:]

@@ -116,6 +116,10 @@ class PromptBuilder:
     def build(self, request: ChatRequest) -> list[int]:
         return self.encode(self.render(request))
 
+    def count(self, request: ChatRequest) -> int:
+        """len(build(request)), without the ids themselves."""
+        return self.tokenizer.count(self.render(request), add_special=False, parse_special=True)
+
 
 def results_onto_call_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Template-shaped messages with each run of tool turns folded into the call turn before it as

@@ -22,6 +22,7 @@ the cache that was fed the prefix.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -34,6 +35,8 @@ from lmserve.engine_cpu.attention import attend
 from lmserve.engine_cpu.batch import Batch
 from lmserve.engine_cpu.cache import CPUCache, Layout
 from lmserve.engine_cpu.ffn import feed_forward
+from lmserve.engine_cpu.qmatrix import KERNEL_ROWS
+from lmserve.engine_cpu.threads import ThreadTuner, blas_threads
 from lmserve.engine_cpu.weights import DeltaNetWeights, load_weights
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile
@@ -68,10 +71,18 @@ class CPUEngine(Engine[CPUCache]):
         self._activation = ops.GATED_ACTIVATIONS[config.activation]
         self._layout = Layout.of(config, self.kv_type)
         self.weight_bytes = self.weights.nbytes
+        self._threads: ThreadTuner | None = None
         if quantized:
             from lmserve.engine_cpu import kernels
 
             self.prepared = kernels.prepare()
+            blas, most = blas_threads(), kernels.most_threads()
+
+            def apply(count: int, wide: bool) -> None:
+                kernels.set_threads(count)
+                blas(most if wide else 1)
+
+            self._threads = ThreadTuner(most, apply, KERNEL_ROWS)
         kind = "int8-block kernels" if quantized else "float32"
         self.device = f"numpy, {kind} ({len(os.sched_getaffinity(0))} cpus)"
 
@@ -153,6 +164,15 @@ class CPUEngine(Engine[CPUCache]):
         """Run rows `ids` through every layer and return the last hidden states `[n, hidden]`.
         One cache extends by all rows (prefill), or each of several by as many (decode, verify:
         `real` of them kept per cache); room is already reserved."""
+        if self._threads is None:
+            return self._layers(ids, caches, real)
+        threads = self._threads.choose(len(ids))
+        started = time.perf_counter()
+        h = self._layers(ids, caches, real)
+        self._threads.record(len(ids), threads, time.perf_counter() - started)
+        return h
+
+    def _layers(self, ids: np.ndarray, caches: list[CPUCache], real: list[int] | None) -> np.ndarray:
         cfg, w = self.config, self.weights
         batch = Batch(caches, len(ids) // len(caches), real)
         tables = ops.rope_tables(batch.positions, w.rope.inv_freq, w.rope.scale)

@@ -210,6 +210,15 @@ def times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -
     return out
 
 
+def set_threads(n: int) -> None:
+    """The threads the calling thread's next parallel kernels run with (at most Numba's count)."""
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
+def most_threads() -> int:
+    return numba.config.NUMBA_NUM_THREADS
+
+
 def dequantize(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, out: np.ndarray) -> None:
     """Fill `out [rows, in]` (float32, C-contiguous) with the matrix's values. On one thread: it
     feeds BLAS, whose threads would otherwise wait for OpenMP's to stop spinning."""

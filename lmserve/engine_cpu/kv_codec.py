@@ -9,9 +9,8 @@ Quantized types store each head's keys and values turned by a 32-point Hadamard 
 orthonormal change of basis within each block): a model's few outlier channels otherwise set the
 scale of their whole block and round the other 31 values away. Attention turns the query the same
 way (q . k is unchanged) and turns its output back, so reading a cache costs no extra pass over
-it. Measured on SmolLM2 over a 1,000-token passage, against float16 KV: the top token at 62 of the
-last 64 positions for q8_0 and 49 for q4_0 without the transform, 63 and 56 with it. q4_0 also
-picks each block's scale for the least squared error rather than from its largest value alone.
+it (figures: docs/PERFORMANCE.md, measurements behind code choices). q4_0 also picks each block's
+scale for the least squared error rather than from its largest value alone.
 """
 
 from __future__ import annotations

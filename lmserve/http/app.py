@@ -32,6 +32,7 @@ from lmserve.http.common import (
     event_stream,
     failure_error,
     json_response,
+    off_loop,
     read_json,
 )
 from lmserve.http.errors import anthropic_error, openai_error, renderer_for_path
@@ -96,12 +97,13 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
     async def generate(request: Request, chat: ChatRequest, renderer: Renderer,
                        render_error: ErrorRenderer) -> Response:
         chat.session_id = chat.session_id or session_hint(request)
-        handle = runtime.start_chat(chat, observer_of(request))
+        prepared = await off_loop(runtime.prepare_chat, chat)
+        handle = runtime.start_prepared(prepared, observer_of(request))
         return await answer(request, [handle], chat.stream, OneOf(renderer), render_error)
 
     @post(both("/v1/chat/completions"), status_code=200, operation_class=openapi.json_body(ChatCompletionsBody))
     async def chat_completions(request: Request) -> Response:
-        chat, options = parse_chat(await read_json(request), model.tokenizer.vocab_size)
+        chat, options = await off_loop(parse_chat, await read_json(request), model.tokenizer.vocab_size)
         return await generate(request, chat, ChatRenderer(model.model_id, chat.sampling.logprobs, options),
                               openai_error)
 
@@ -109,28 +111,29 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
 
     @post(both("/v1/responses"), status_code=200, operation_class=openapi.json_body(ResponsesBody))
     async def responses(request: Request) -> Response:
-        call = parse_responses(await read_json(request), model.tokenizer.vocab_size, responses_store)
+        call = await off_loop(parse_responses, await read_json(request), model.tokenizer.vocab_size, responses_store)
         renderer = ResponseRenderer(model.model_id, call, responses_store, runtime.resolved_sampling(call.chat.sampling))
         return await generate(request, call.chat, renderer, openai_error)
 
     @post(both("/v1/messages"), status_code=200, operation_class=openapi.json_body(MessagesBody))
     async def messages(request: Request) -> Response:
-        chat = parse_messages(await read_json(request), model.tokenizer.vocab_size)
+        chat = await off_loop(parse_messages, await read_json(request), model.tokenizer.vocab_size)
         return await generate(request, chat, MessageRenderer(model.model_id), anthropic_error)
 
     @post(both("/v1/completions"), status_code=200, operation_class=openapi.json_body(CompletionsBody))
     async def completions(request: Request) -> Response:
-        call = parse_completion(await read_json(request), model.tokenizer)
+        call = await off_loop(parse_completion, await read_json(request), model.tokenizer)
+        plan = await off_loop(runtime.plan_completion, call.output_format)
         handles = runtime.start_completion(call.prompts, call.sampling, call.max_tokens, call.stop,
-                                           call.output_format, session_hint(request), observer_of(request))
+                                           plan, session_hint(request), observer_of(request))
         renderer = CompletionRenderer(model.model_id, call.sampling.logprobs, call.include_usage)
         return await answer(request, handles, call.stream, renderer, openai_error)
 
     @post(both("/v1/messages/count_tokens"), status_code=200,
           operation_class=openapi.json_body(CountTokensBody))
     async def count_tokens(request: Request) -> Response:
-        chat = parse_messages(await read_json(request), model.tokenizer.vocab_size, require_max_tokens=False)
-        return json_response({"input_tokens": runtime.count_prompt_tokens(chat)})
+        chat = await off_loop(parse_messages, await read_json(request), model.tokenizer.vocab_size, False)
+        return json_response({"input_tokens": await off_loop(runtime.count_prompt_tokens, chat)})
 
     @get(both("/v1/models"))
     async def list_models() -> Response:
@@ -184,12 +187,7 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
     @post("/tokenize", status_code=200, operation_class=openapi.json_body(TokenizeBody))
     async def tokenize(request: Request) -> Response:
         body = decode(await read_json(request), TokenizeBody)
-        ids = model.tokenizer.encode(body.content, add_special=body.add_special is True, parse_special=True)
-        if body.with_pieces:
-            tokens: list[Any] = [{"id": i, "piece": _piece_json(model.tokenizer.token_bytes(i))} for i in ids]
-        else:
-            tokens = ids
-        return json_response({"tokens": tokens})
+        return json_response({"tokens": await off_loop(_tokens, model.tokenizer, body)})
 
     @post("/detokenize", status_code=200, operation_class=openapi.json_body(DetokenizeBody))
     async def detokenize(request: Request) -> Response:
@@ -197,7 +195,7 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
         vocab = model.tokenizer.vocab_size
         if not all(i < vocab for i in ids):
             raise invalid("tokens", f"must be an array of token ids between 0 and {vocab - 1}")
-        return json_response({"content": model.tokenizer.decode(ids)})
+        return json_response({"content": await off_loop(model.tokenizer.decode, ids)})
 
     return Litestar(
         route_handlers=[
@@ -254,6 +252,14 @@ def _piece_json(raw: bytes) -> str | list[int]:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         return list(raw)
+
+
+def _tokens(tokenizer: Any, body: TokenizeBody) -> list[Any]:
+    """/tokenize's answer: ids, or ids with their pieces."""
+    ids = tokenizer.encode(body.content, add_special=body.add_special is True, parse_special=True)
+    if body.with_pieces:
+        return [{"id": i, "piece": _piece_json(tokenizer.token_bytes(i))} for i in ids]
+    return ids
 
 
 def _request_error(request: Request, exc: RequestError) -> Response:

@@ -9,6 +9,7 @@ server can still be looked at.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import re
@@ -18,6 +19,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from lmserve.core.errors import RequestError
+from lmserve.core.events import CLIENT_CLOSED
+from lmserve.http.access import RECORD_KEY
 from lmserve.http.common import dumps
 from lmserve.http.errors import error_payload
 
@@ -56,6 +59,7 @@ class GuardOptions:
     check_host: bool = True  # on a loopback bind: refuse foreign Host headers (DNS rebinding)
     allowed_hosts: set[str] = field(default_factory=set)
     cors_origins: set[str] = field(default_factory=set)  # --cors: the other origins a browser may call from
+    read_timeout: float = 30.0  # the most a request body may take between two of its parts (--read-timeout)
     draining: Callable[[], bool] = lambda: False  # shutdown has begun: refuse new work with 503
     shutdown_error: Callable[[], RequestError] | None = None  # the refusal while draining
 
@@ -84,7 +88,7 @@ class Guard:
             return
         self.in_flight += 1
         try:
-            await self.app(scope, self._capped_receive(receive), send)
+            await self.app(scope, self._capped_receive(receive, scope), send)
         finally:
             self.in_flight -= 1
 
@@ -135,19 +139,35 @@ class Guard:
         offered = bearer[7:] if bearer.lower().startswith("bearer ") else headers.get("x-api-key", "")
         return hmac.compare_digest(offered.encode(), key.encode())
 
-    def _capped_receive(self, receive: Callable) -> Callable:
-        """A chunked body without Content-Length is counted as it arrives; the RequestError
-        raised past the cap reaches the app's error handler, which answers 413."""
-        seen = 0
-        limit = self.options.max_body
+    def _capped_receive(self, receive: Callable, scope: Scope) -> Callable:
+        """The body as it arrives: counted (a chunked body has no Content-Length), each part
+        awaited at most `read_timeout` (a client that sends headers and a few bytes must not
+        hold a --conns place for ever), and a client that leaves before its body is complete
+        counted as a client close, not a server error. The RequestErrors raised reach the app's
+        error handler: 413, 408, and for the client gone 499 (written to nobody)."""
+        seen, complete = 0, False
+        limit, timeout = self.options.max_body, self.options.read_timeout
 
         async def wrapped() -> dict[str, Any]:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise self._too_large()
+            nonlocal seen, complete
+            if complete:  # after the body only a disconnect can come: waiting for it is the caller's business
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout)
+            except TimeoutError:
+                raise RequestError(f"the request body stalled: no part of it arrived within {timeout:g} s "
+                                   "(--read-timeout)", 408, "body", "request_timeout",
+                                   {"Connection": "close"}) from None
+            if message["type"] == "http.disconnect":
+                record = scope.get(RECORD_KEY)
+                if record is not None:
+                    record.outcome = CLIENT_CLOSED
+                raise RequestError("the client closed the connection before its request body was complete",
+                                   499, "body", CLIENT_CLOSED)
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise self._too_large()
+            complete = not message.get("more_body", False)
             return message
 
         return wrapped

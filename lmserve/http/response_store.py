@@ -1,12 +1,14 @@
 """Responses kept for `previous_response_id`: a bounded in-memory map, oldest evicted first.
 
 Serving is stateless unless a client asks otherwise, and a kept conversation costs memory until
-it goes, so both the number of kept responses and their text bytes are capped. Only the event
-loop touches the store, so it needs no lock.
+it goes, so both the number of kept responses and their text bytes are capped. Requests are
+parsed on worker threads (a lookup) while replies end on the event loop (a put): a lock keeps
+the two apart.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 from lmserve.core.errors import RequestError
@@ -33,6 +35,7 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self._items: OrderedDict[str, tuple[list[Message], int]] = OrderedDict()
         self._bytes = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -43,15 +46,17 @@ class ResponseStore:
         size = conversation_bytes(conversation)
         if size > self.max_bytes:
             return
-        self._items[response_id] = (list(conversation), size)
-        self._bytes += size
-        while len(self._items) > self.max_responses or self._bytes > self.max_bytes:
-            _, (_, dropped) = self._items.popitem(last=False)
-            self._bytes -= dropped
+        with self._lock:
+            self._items[response_id] = (list(conversation), size)
+            self._bytes += size
+            while len(self._items) > self.max_responses or self._bytes > self.max_bytes:
+                _, (_, dropped) = self._items.popitem(last=False)
+                self._bytes -= dropped
 
     def get(self, response_id: str) -> list[Message]:
         """The kept conversation, or a 404 naming the id."""
-        entry = self._items.get(response_id)
+        with self._lock:
+            entry = self._items.get(response_id)
         if entry is None:
             raise RequestError(
                 f"previous_response_id: no stored response with id '{response_id}' (unknown, created "

@@ -1,0 +1,60 @@
+"""The NumPy engine's thread tuner (engine_cpu/threads.py) on a scripted machine: one core taken
+by another process makes two-thread passes wait a time slice each; the tuner must find one thread
+within a few passes, go back to two when the core is free again, and pay for few trials meanwhile."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmserve.engine_cpu.threads import LAST_TRIAL, ThreadTuner
+
+pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
+
+IDLE = {1: 0.026, 2: 0.017}  # seconds a SmolLM2 decode pass took, measured on this 2-core machine
+BUSY = {1: 0.026, 2: 0.35}  # with `yes > /dev/null` on one core
+
+
+def run(tuner: ThreadTuner, machine: dict[int, float], passes: int, rows: int = 1) -> list[int]:
+    counts = []
+    for _ in range(passes):
+        count = tuner.choose(rows)
+        tuner.record(rows, count, machine[count])
+        counts.append(count)
+    return counts
+
+
+def test_a_busy_core_is_found_out_and_a_free_one_taken_back() -> None:
+    applied: list[int] = []
+    tuner = ThreadTuner(2, lambda n, wide: applied.append(n), 24)
+    assert run(tuner, IDLE, 200).count(1) <= 8  # idle: two threads, a trial of one now and then
+    busy = run(tuner, BUSY, 400)
+    assert busy.index(1) < 20 and busy[20:].count(2) <= 8  # loaded: one thread within a few passes
+    idle_again = run(tuner, IDLE, 2 * LAST_TRIAL)
+    assert idle_again[-100:] == [2] * 100  # the free core is taken back
+    assert applied[0] == 2 and all(a != b for a, b in zip(applied, applied[1:], strict=False))  # set only on change
+
+
+def test_each_pass_shape_is_tuned_on_its_own() -> None:
+    """A four-row pass may favour another count than a one-row pass: they do not share times."""
+    tuner = ThreadTuner(2, lambda n, wide: None, 24)
+    run(tuner, BUSY, 100, rows=1)
+    assert run(tuner, IDLE, 100, rows=4)[-50:].count(2) >= 45
+    assert run(tuner, BUSY, 10, rows=1)[-5:] == [1] * 5
+
+
+def test_one_core_has_nothing_to_tune() -> None:
+    applied: list[int] = []
+    tuner = ThreadTuner(1, lambda n, wide: applied.append(n), 24)
+    assert set(run(tuner, BUSY, 50)) == {1} and applied == [1]
+
+
+def test_a_prompt_chunk_runs_with_every_thread() -> None:
+    """Wide passes are not tuned: they get every thread back (BLAS's too), and their times are
+    not kept; the next tuned pass gets its own count again."""
+    applied: list[tuple[int, bool]] = []
+    tuner = ThreadTuner(2, lambda n, wide: applied.append((n, wide)), 24)
+    run(tuner, BUSY, 50)
+    assert applied[-1] == (1, False)
+    assert tuner.choose(256) == 0 and applied[-1] == (2, True)
+    tuner.record(256, 0, 9.0)
+    assert tuner.choose(1) == 1 and applied[-1] == (1, False)
