@@ -101,8 +101,8 @@ def install(hooks: Hooks) -> None:
 
         real_load = select.load_engine
 
-        def load_engine(kind, gguf, config, progress=None):
-            engine, tokenizer = real_load(kind, gguf, config, progress), Tokenizer.from_gguf(gguf)
+        def load_engine(kind, gguf, config, progress=None, kv_type="auto"):
+            engine, tokenizer = real_load(kind, gguf, config, progress, kv_type), Tokenizer.from_gguf(gguf)
             if hooks.script is not None:
                 engine = ScriptedEngine(engine, tokenizer, Script.load(hooks.script))
             if hooks.fault_marker is not None:

@@ -171,3 +171,26 @@ def test_health_answers_while_huge_bodies_are_parsed_and_counted(server) -> None
             time.sleep(0.05)
         assert all(f.result().status_code == 200 and f.result().json()["input_tokens"] > 500_000 for f in counts)
     assert len(latencies) >= 5 and max(latencies) < 1.0, sorted(latencies)[-5:]
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"grammar": 'start: "a" start'}, "grammar"),
+    ({"grammar": 'root ::= root "a"'}, "grammar"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": {
+        "type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}}}},
+     "response_format.json_schema.schema"),
+], ids=["lark", "gbnf", "ref-cycle"])
+def test_a_grammar_no_reply_can_finish_is_a_400(server, extra: dict, field: str) -> None:
+    """llguidance compiles these and would let the model write forever: no string of them ends."""
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={**QUESTION, **extra})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith(field) and "never" in message
+
+
+def test_a_recursive_grammar_with_a_way_out_is_served(server) -> None:
+    r = httpx.post(server.base_url + "/v1/chat/completions",
+                   json={**QUESTION, "max_tokens": 8, "grammar": 'start: "(" start ")" | "x"'})
+    assert r.status_code == 200
+    text = r.json()["choices"][0]["message"]["content"]
+    assert set(text) <= set("()x") and text

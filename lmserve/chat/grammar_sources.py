@@ -15,6 +15,7 @@ import llguidance
 
 from lmserve.chat.gemma4 import CALL_PREFIX, QUOTE
 from lmserve.chat.grammar import GrammarError
+from lmserve.chat.grammar_check import empty_gbnf, empty_lark, empty_schema
 from lmserve.chat.harmony import CALL, CHANNEL, CONSTRAIN, END, FUNCTIONS, MESSAGE, RECIPIENT, START
 from lmserve.chat.tool_format import (
     GEMMA4,
@@ -35,6 +36,7 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 def output_grammar(fmt: OutputFormat) -> str:
     """The grammar for response_format / text.format / output_config.format and the extensions."""
+    refuse_empty(fmt.kind, fmt.source)
     try:
         if fmt.kind in ("json_schema", "json_object"):
             schema = fmt.source if fmt.kind == "json_schema" else ANY_OBJECT
@@ -46,12 +48,25 @@ def output_grammar(fmt: OutputFormat) -> str:
         raise GrammarError(str(exc)) from None
 
 
+def refuse_empty(kind: str, source: Any) -> None:
+    """GrammarError for a grammar or schema no string satisfies: the reply could never finish."""
+    if kind == "json_schema" and empty_schema(source):
+        raise GrammarError("no JSON value satisfies this schema: a required property, item or every choice "
+                           "leads back into itself ($ref), so a reply could never finish")
+    rule = empty_lark(source) if kind == "lark" else empty_gbnf(source) if kind == "gbnf" else None
+    if rule is not None:
+        raise GrammarError(f"the grammar's language is empty: rule {rule!r} can never end (every alternative "
+                           "recurses), so a reply could never finish")
+
+
 def _json_options(tool: Tool) -> dict[str, Any]:
     return {**JSON_LAYOUT, "lenient": tool.lenient} if tool.strict else JSON_LAYOUT
 
 
 def _arguments_schema(tool: Tool) -> dict[str, Any]:
     """A tool's arguments: its schema when strict, any JSON object otherwise, in the fixed layout."""
+    if tool.strict and tool.parameters:
+        refuse_empty("json_schema", tool.parameters)
     schema = dict(tool.parameters or ANY_OBJECT) if tool.strict else dict(ANY_OBJECT)
     schema["x-guidance"] = {**_json_options(tool), **(schema.get("x-guidance") or {})}
     return schema
