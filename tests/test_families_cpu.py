@@ -14,6 +14,7 @@ from lmserve.engine_cpu import CPUEngine
 from lmserve.engine_cpu import ops as ops_module
 from lmserve.engine_cpu import weights as weights_module
 from lmserve.engine_cpu.engine import kernels_available
+from lmserve.engine_cpu.qmatrix import Matrix, MatrixStack, QuantMatrix
 from lmserve.engine_cpu.weights import AttentionWeights
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
@@ -136,8 +137,12 @@ def test_moe_decode_reads_only_the_chosen_experts(family: str, monkeypatch: pyte
     read: set[int] = set()
     real = ops_module.linear
 
-    def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        read.add(w.__array_interface__["data"][0])
+    def data(w: Matrix) -> int:
+        first = w.parts[0] if isinstance(w, MatrixStack) else w
+        return (first.q if isinstance(first, QuantMatrix) else first).__array_interface__["data"][0]
+
+    def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
+        read.add(data(w))
         return real(x, w)
 
     monkeypatch.setattr(ops_module, "linear", linear)
@@ -145,7 +150,8 @@ def test_moe_decode_reads_only_the_chosen_experts(family: str, monkeypatch: pyte
     for layer in e.weights.layers:
         assert layer.experts is not None
         for stacked in (layer.experts.gate_up, layer.experts.down):
-            pointers = {matrix.__array_interface__["data"][0] for matrix in stacked}
+            pointers = {data(matrix) for matrix in stacked}
+            assert len(pointers) == e.config.n_experts
             assert len(pointers & read) == e.config.n_experts_used
 
 
@@ -154,17 +160,17 @@ def test_refuses_weights_that_do_not_fit(monkeypatch: pytest.MonkeyPatch) -> Non
     gguf = GGUFFile(fixture.path)
     config = ModelConfig.from_gguf(gguf)
     quantized = kernels_available()
-    need = weights_module.weight_bytes(gguf, quantized)
-    allocated = []
-    monkeypatch.setattr(weights_module._Loader, "__init__",
-                        lambda self, *a: allocated.append(a) or pytest.fail("allocated before the check"))
+    need = weights_module.weight_bytes(gguf, config, quantized)
+    read = []
+    monkeypatch.setattr(weights_module._Loader, "run",
+                        lambda self, *a: read.append(a) or pytest.fail("read before the check"))
     with pytest.raises(ModelLoadError) as info:
         CPUEngine(gguf, config, available_memory=need - 1)
     message = str(info.value)
     assert message.startswith(f"the NumPy engine needs {need / 2**20:.0f} MiB for this model's weights (")
     assert f"x the {fixture.path.stat().st_size / 2**20:.0f} MiB file) but {(need - 1) / 2**20:.0f} MiB is available" \
         in message
-    assert "--engine mlx" in message and "smaller quant" in message and not allocated
+    assert "--engine mlx" in message and "smaller quant" in message and not read
 
     # None asks psutil, as a test server's --available-memory hook does.
     import psutil
@@ -176,19 +182,19 @@ def test_refuses_weights_that_do_not_fit(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_weight_bytes_count_float32_and_the_kept_quants() -> None:
-    """Float32 is 4 bytes a parameter; kept Q4_K/Q6_K matrices are int8 plus a float32 scale and
-    offset per block, the rest (norms) float32."""
+    """Float32 is 4 bytes a parameter; kept Q4_K matrices are packed nibbles (0.75 bytes with their
+    scales), Q6_K int8 (1.5), the rest (norms) float32."""
     gguf = GGUFFile(Fixture("gemma3", "Q4_K_M").path)
     config = ModelConfig.from_gguf(gguf)
-    assert weights_module.weight_bytes(gguf, quantized=False) == 4 * config.n_params
-    assert 1.25 * config.n_params < weights_module.weight_bytes(gguf, quantized=True) < 1.6 * config.n_params
+    assert weights_module.weight_bytes(gguf, config, quantized=False) == 4 * config.n_params
+    assert 0.75 * config.n_params < weights_module.weight_bytes(gguf, config, quantized=True) < 1.5 * config.n_params
 
 
 def test_loads_when_the_weights_fit_exactly() -> None:
     gguf = GGUFFile(Fixture("qwen3moe", "Q8_0").path)
     config = ModelConfig.from_gguf(gguf)
     for quantized in {False, kernels_available()}:
-        need = weights_module.weight_bytes(gguf, quantized)
+        need = weights_module.weight_bytes(gguf, config, quantized)
         e = CPUEngine(gguf, config, available_memory=need, quantized=quantized)
         assert e.weight_bytes == need
 

@@ -74,9 +74,11 @@ def test_nothing_probes_an_engine_or_the_runtime_for_what_it_has():
 def test_help_names_the_quant_types_the_engines_keep():
     """`--help` and docs/MODELS.md say which types each engine keeps from `families`' lists,
     so that they need not import an engine: these must be the engines' own sets."""
-    from lmserve.engine_cpu.quant_blocks import SUPPORTED
+    from gguf import GGMLQuantizationType
+
+    from lmserve.engine_cpu.encodings import encoding_of
     from lmserve.engine_mlx.weights import NATIVE_TYPES
     from lmserve.model.families import CPU_KEPT_TYPES, MLX_NATIVE_TYPES
 
-    assert set(CPU_KEPT_TYPES) == {t.name for t in SUPPORTED}
+    assert set(CPU_KEPT_TYPES) == {t.name for t in GGMLQuantizationType if encoding_of(t, 256) is not None}
     assert set(MLX_NATIVE_TYPES) == {t.name for t in NATIVE_TYPES}

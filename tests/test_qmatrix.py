@@ -8,14 +8,21 @@ from functools import cache
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from lmserve.engine_cpu import CPUEngine
+from lmserve.engine_cpu.encodings import encode, encoding_of
 from lmserve.engine_cpu.engine import kernels_available
-from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, QuantMatrix
+from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, MatrixStack, QuantMatrix
 from lmserve.model.config import ModelConfig
 from lmserve.model.default_model import default_model_path
 from lmserve.model.gguf_file import GGUFFile
+from tests.conftest import TINY_LLAMA
+from tests.families import ARCH
+from tests.test_quant_blocks import random_blocks
 
+T = GGMLQuantizationType
 pytestmark = [pytest.mark.fast, pytest.mark.skipif(sys.platform == "darwin", reason="numba is not installed on macOS (MLX serves)")]
 
 
@@ -78,7 +85,7 @@ def test_the_engine_keeps_the_files_quants_in_a_third_of_the_bytes() -> None:
     assert isinstance(quantized.weights.output, QuantMatrix)  # SmolLM2's tied Q8_0 embeddings
     assert isinstance(float32.weights.layers[0].mixer.qkv, np.ndarray)
     assert quantized.weight_bytes < float32.weight_bytes / 3
-    assert "int8-block kernels" in quantized.device and "float32" in float32.device
+    assert "kernels on the file's quants" in quantized.device and "float32" in float32.device
 
 
 def test_the_quantized_engine_decodes_as_the_float32_one() -> None:
@@ -107,3 +114,82 @@ def test_the_kernels_are_built_for_every_block_size_unpacked() -> None:
     from lmserve.engine_cpu.quant_blocks import SUPPORTED
 
     assert set(SUPPORTED.values()) == set(kernels.BLOCK_SIZES)
+
+
+# -- every encoding ------------------------------------------------------------------------------
+
+ENCODED_TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4, T.F16, T.BF16]
+
+
+def encoded_matrix(qtype: GGMLQuantizationType, rows: int, columns: int) -> tuple[QuantMatrix, np.ndarray]:
+    """A matrix of `qtype` from random raw rows, kept as the engine keeps it, and gguf's float32
+    values of those rows."""
+    if qtype in (T.F16, T.BF16):
+        values = np.random.default_rng(3).standard_normal((rows, columns)).astype(np.float32) * 0.1
+        if qtype == T.F16:
+            raw = values.astype(np.float16).view(np.uint8)
+        else:
+            raw = (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    else:
+        raw = random_blocks(qtype, rows, columns, seed=4)
+    encoding = encoding_of(qtype, columns)
+    assert encoding is not None
+    matrix = QuantMatrix(*encode(raw, qtype, columns))
+    assert matrix.q.dtype == encoding.dtype and matrix.shape == (rows, columns) and matrix.block == encoding.block
+    return matrix, gguf_quants.dequantize(raw, qtype).reshape(rows, columns).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", ENCODED_TYPES, ids=lambda t: t.name)
+def test_every_encoding_multiplies_as_its_values(qtype: GGMLQuantizationType) -> None:
+    """The kernels (1-24 rows), the tiles for BLAS (more) and the embedding lookup all read each
+    encoding as gguf's own values."""
+    matrix, values = encoded_matrix(qtype, 37, 512)
+    for rows in (1, 2, 5, KERNEL_ROWS + 1):
+        x = np.random.default_rng(rows).standard_normal((rows, 512)).astype(np.float32)
+        want = x.astype(np.float64) @ values.T.astype(np.float64)
+        np.testing.assert_allclose(matrix.times(x), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    ids = np.array([0, 36, 5])
+    np.testing.assert_allclose(matrix[ids], values[ids], rtol=1e-6, atol=1e-6 * float(np.abs(values).max()))
+
+
+def test_types_of_at_most_four_bits_take_half_a_byte_a_value() -> None:
+    for qtype in (T.Q4_0, T.Q4_1, T.Q4_K, T.Q3_K, T.Q2_K):
+        matrix, _ = encoded_matrix(qtype, 8, 256)
+        assert matrix.q.nbytes == 8 * 256 // 2
+    assert encoded_matrix(T.F16, 8, 256)[0].q.nbytes == 8 * 256 * 2
+
+
+def test_a_stack_of_encodings_is_one_matrix() -> None:
+    """Q4_K_M files fuse Q4_K and Q6_K rows: each part keeps its own encoding."""
+    parts = [encoded_matrix(qtype, 16, 256) for qtype in (T.Q4_K, T.Q6_K, T.Q4_K)]
+    stack = MatrixStack(tuple(matrix for matrix, _ in parts))
+    values = np.concatenate([v for _, v in parts])
+    assert stack.shape == (48, 256)
+    x = np.random.default_rng(5).standard_normal((3, 256)).astype(np.float32)
+    np.testing.assert_allclose(stack.times(x), x @ values.T, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-Q4_0", "tiny-llama-Q2_K", "tiny-llama-Q3_K_M", "tiny-llama-IQ4_NL",
+                                  "tiny-llama-F16"])
+def test_the_engine_keeps_each_type_in_its_encoding(name: str) -> None:
+    """No weight matrix of these files is expanded to float32."""
+    gguf = GGUFFile(TINY_LLAMA / f"{name}.gguf")
+    e = CPUEngine(gguf, ModelConfig.from_gguf(gguf))
+    layer = e.weights.layers[0]
+    for matrix in (layer.mixer.qkv, layer.mixer.o, layer.gate_up, layer.down, e.weights.output):
+        assert isinstance(matrix, QuantMatrix | MatrixStack), name
+    assert e.weight_bytes < 2.3 * ModelConfig.from_gguf(gguf).n_params  # float32: 4
+
+
+def test_moe_experts_are_kept_one_matrix_per_expert() -> None:
+    gguf = GGUFFile(ARCH / "qwen3moe" / "tiny-qwen3moe-Q4_K_M.gguf")
+    config = ModelConfig.from_gguf(gguf)
+    e = CPUEngine(gguf, config)
+    experts = e.weights.layers[0].experts
+    assert experts is not None and len(experts.gate_up) == len(experts.down) == config.n_experts
+    assert all(isinstance(m, QuantMatrix | MatrixStack) for m in [*experts.gate_up, *experts.down])
+    float32 = CPUEngine(gguf, config, quantized=False)
+    ids = list(range(100, 140))
+    kept, reference = (engine.prefill(engine.new_cache(64), ids, all_logits=True) for engine in (e, float32))
+    np.testing.assert_allclose(kept, reference, rtol=1e-3, atol=2e-3)
+    assert e.weight_bytes < float32.weight_bytes / 3

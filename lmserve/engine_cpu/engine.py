@@ -37,7 +37,7 @@ from lmserve.engine_cpu.cache import CPUCache, Layout
 from lmserve.engine_cpu.ffn import feed_forward
 from lmserve.engine_cpu.qmatrix import KERNEL_ROWS
 from lmserve.engine_cpu.threads import ThreadTuner, blas_threads
-from lmserve.engine_cpu.weights import DeltaNetWeights, load_weights
+from lmserve.engine_cpu.weights import DeltaNetWeights, kept_dtypes, load_weights
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile
 
@@ -75,7 +75,7 @@ class CPUEngine(Engine[CPUCache]):
         if quantized:
             from lmserve.engine_cpu import kernels
 
-            self.prepared = kernels.prepare()
+            self.prepared = kernels.prepare(kept_dtypes(self.weights))
             blas, most = blas_threads(), kernels.most_threads()
 
             def apply(count: int, wide: bool) -> None:
@@ -83,7 +83,7 @@ class CPUEngine(Engine[CPUCache]):
                 blas(most if wide else 1)
 
             self._threads = ThreadTuner(most, apply, KERNEL_ROWS)
-        kind = "int8-block kernels" if quantized else "float32"
+        kind = "kernels on the file's quants" if quantized else "float32"
         self.device = f"numpy, {kind} ({len(os.sched_getaffinity(0))} cpus)"
 
     # -- caches ------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""Compiled kernels for quantized matrices: int8 values with a float32 scale and offset per block.
+"""Compiled kernels for quantized matrices: values with a float32 scale and offset per block.
 
 Decode reads every weight once per step, so it runs at the speed weights stream through the
-cores: float32 weights cost 4 bytes a value, these 1.25-1.5. NumPy has no matrix product for int8
+cores: float32 weights cost 4 bytes a value, these 0.75-2.25. The values array's dtype says how it
+holds them (`qmatrix.ENCODINGS`): int8 one a byte, uint8 two 4-bit ones a byte, int16 float16
+bits, uint16 bfloat16 bits; each kernel is compiled per dtype. NumPy has no matrix product for int8
 times float32, and Numba's loop vectorizer leaves these loops scalar, so the inner loops are
 written as LLVM vector IR through Numba intrinsics: a decode step's products then beat float32
 weights' for one row, and by more for four. Numba's `prange` runs them on OpenMP threads, whose
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numba
 import numpy as np
@@ -30,8 +32,11 @@ from numba.np.ufunc.parallel import _launch_threads  # loads the threading layer
 
 LANES = 16  # float32 values per vector: one AVX-512 register, two AVX2 ones, four NEON ones
 _F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+_I16 = ir.IntType(16)
 _VF, _VQ = ir.VectorType(_F32, LANES), ir.VectorType(_I8, LANES)
+_VH, _VI32 = ir.VectorType(_I16, LANES), ir.VectorType(_I32, LANES)
 BLOCK_SIZES = (32, 16)  # values per scale: quant_blocks.SUPPORTED's sizes
+NIBBLE_GROUP = 32  # nibble-packed values: 16 bytes hold values 0-15 in the low halves, 16-31 in the high
 ROW_GROUPS = (4, 2, 1)  # rows computed together: each block's values are converted once for all
 
 
@@ -42,6 +47,7 @@ class _Builder:
         self.b = builder
         self.arrays = [context.make_array(t)(context, builder, a) if isinstance(t, types.Array) else None
                        for t, a in zip(signature.args, args, strict=True)]
+        self.dtypes = [getattr(t, "dtype", None) for t in signature.args]
         self.fma_v = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3),
                                                     "llvm.fma.v16f32")
         self.fma_s = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3),
@@ -53,6 +59,8 @@ class _Builder:
         block's vectors with a run-time count made 4-row products slower; figures:
         docs/PERFORMANCE.md, measurements behind code choices)."""
         size = self.b.udiv(self.columns(values), self.columns(scales))
+        if self.dtypes[values] == types.uint8:  # two values a byte
+            size = self.b.shl(size, ir.Constant(_I64, 1))
         with self.b.if_else(self.b.icmp_unsigned("==", size, ir.Constant(_I64, BLOCK_SIZES[0]))) as (first, other):
             with first:
                 emit(BLOCK_SIZES[0])
@@ -78,9 +86,31 @@ class _Builder:
     def store_vector(self, value: ir.Value, ptr: ir.Value, offset: ir.Value) -> None:
         self.b.store(value, self.b.bitcast(self.at(ptr, offset), _VF.as_pointer()), align=4)
 
-    def values(self, qrow: ir.Value, offset: ir.Value) -> ir.Value:
-        """LANES int8 values from `qrow + offset` as float32."""
-        return self.b.sitofp(self.load_vector(qrow, offset, _VQ), _VF)
+    def block_values(self, q: int, qrow: ir.Value, first: ir.Value, size: int) -> list[ir.Value]:
+        """The `size` values of argument `q`'s row `qrow` from value `first` on (a block's
+        start), as float32 vectors of LANES values, decoded as the argument's dtype says."""
+        b, dtype = self.b, self.dtypes[q]
+        if dtype == types.uint8:  # 16 bytes hold 32 values: the low nibbles, then the high ones
+            group = b.and_(first, ir.Constant(_I64, -NIBBLE_GROUP))
+            packed = self.load_vector(qrow, b.lshr(group, ir.Constant(_I64, 1)), _VQ)
+            low = b.uitofp(b.and_(packed, ir.Constant(_VQ, [0x0F] * LANES)), _VF)
+            high = b.uitofp(b.lshr(packed, ir.Constant(_VQ, [4] * LANES)), _VF)
+            if size == NIBBLE_GROUP:
+                return [low, high]
+            second = b.icmp_unsigned("!=", b.sub(first, group), ir.Constant(_I64, 0))  # a block of 16
+            return [b.select(second, high, low)]
+        vectors = []
+        for p in range(0, size, LANES):
+            at = b.add(first, ir.Constant(_I64, p))
+            if dtype == types.int8:
+                vectors.append(b.sitofp(self.load_vector(qrow, at, _VQ), _VF))
+            elif dtype == types.int16:  # float16 bits
+                halves = b.bitcast(self.load_vector(qrow, at, _VH), ir.VectorType(ir.HalfType(), LANES))
+                vectors.append(b.fpext(halves, _VF))
+            else:  # uint16: bfloat16 bits, a float32's upper half
+                wide = b.zext(self.load_vector(qrow, at, _VH), _VI32)
+                vectors.append(b.bitcast(b.shl(wide, ir.Constant(_VI32, [16] * LANES)), _VF))
+        return vectors
 
     def splat(self, value: ir.Value) -> ir.Value:
         one = self.b.insert_element(ir.Constant(_VF, None), value, ir.Constant(_I32, 0))
@@ -125,7 +155,7 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
                     xv = [[k.load_vector(xrow, p, _VF) for p in parts] for xrow in xrows]
                     xs = [b.load(k.at(xsum, blocks.index)) for xsum in xsums]
                     for j in range(outs):
-                        values = [k.values(qrows[j], p) for p in parts]
+                        values = k.block_values(1, qrows[j], first, size)
                         s = k.splat(b.load(k.at(srows[j], blocks.index)))
                         m = b.load(k.at(mrows[j], blocks.index))
                         for r in range(rows):
@@ -157,9 +187,9 @@ def _dequantize_row(typingctx, q, scale, offset, out, o):  # noqa: ANN001, ANN20
         def blocks_of(size: int) -> None:
             with cgutils.for_range(b, k.columns(1)) as blocks:
                 s, m = k.splat(b.load(k.at(srow, blocks.index))), k.splat(b.load(k.at(mrow, blocks.index)))
-                for p in range(0, size, LANES):
-                    at = b.add(b.mul(blocks.index, ir.Constant(_I64, size)), ir.Constant(_I64, p))
-                    k.store_vector(b.call(k.fma_v, [k.values(qrow, at), s, m]), orow, at)
+                first = b.mul(blocks.index, ir.Constant(_I64, size))
+                for p, values in zip(range(0, size, LANES), k.block_values(0, qrow, first, size), strict=True):
+                    k.store_vector(b.call(k.fma_v, [values, s, m]), orow, b.add(first, ir.Constant(_I64, p)))
 
         k.by_block_size(blocks_of, 0, 1)
         return context.get_dummy_value()
@@ -225,13 +255,16 @@ def dequantize(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, out: np.nda
     _dequantize(q, scale, offset, out)
 
 
-def prepare() -> str:
-    """Compile the product kernel for the arrays the engine passes (or load it from Numba's cache,
-    `cache=True`, written beside this module) without running it: compiled lazily, the first
-    request after an install waited for it. What happened, for the banner."""
+def prepare(dtypes: Iterable[np.dtype]) -> str:
+    """Compile the kernels for the values arrays of `dtypes` the engine passes (or load them from
+    Numba's cache, `cache=True`, written beside this module) without running them: compiled
+    lazily, the first request after an install waited for them. What happened, for the banner."""
     started = time.perf_counter()
     matrix = types.Array(types.float32, 2, "C")
-    _times.compile((matrix, types.Array(types.int8, 2, "C"), matrix, matrix, matrix, matrix))
+    for dtype in sorted(set(dtypes), key=str):
+        values = types.Array(numba.from_dtype(dtype), 2, "C")
+        _times.compile((matrix, values, matrix, matrix, matrix, matrix))
+        _dequantize.compile((values, matrix, matrix, matrix))
     took = time.perf_counter() - started
     if sum(_times.stats.cache_hits.values()):
         return f"compiled kernels loaded from Numba's cache in {took:.1f} s"

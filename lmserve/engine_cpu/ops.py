@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from lmserve.engine_cpu.qmatrix import QuantMatrix
+from lmserve.engine_cpu.qmatrix import Matrix
 from lmserve.model.families import GELU_TANH, SILU, SWIGLU_OAI
 
 
@@ -33,13 +33,13 @@ BLOCK_BYTES = (3 << 19) * _cpus()
 GROUP = 16 * _cpus()
 
 
-def linear(x: np.ndarray, w: np.ndarray | QuantMatrix) -> np.ndarray:
-    """`x [n, in]` times `w [out, in]` transposed (a QuantMatrix runs its own kernels). For float32
+def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
+    """`x [n, in]` times `w [out, in]` transposed (kept quants run their own kernels). For float32
     weights, in the order measured fastest for `n`: up to
     GEMV_ROWS rows each row's result is, up to rounding and bit for bit where the matrix splits into
     whole groups (SmolLM2 on 2 CPUs), that row's alone: a sequence decodes to the same logits
     whatever it is batched with."""
-    if isinstance(w, QuantMatrix):
+    if not isinstance(w, np.ndarray):
         return w.times(x)
     n = len(x)
     if n == 1:
@@ -120,7 +120,7 @@ def swiglu_oai_mul(gate_up: np.ndarray) -> np.ndarray:
 GATED_ACTIVATIONS = {SILU: silu_mul, GELU_TANH: gelu_tanh_mul, SWIGLU_OAI: swiglu_oai_mul}
 
 
-def gated_ffn(x: np.ndarray, gate_up: np.ndarray | QuantMatrix, down: np.ndarray | QuantMatrix,
+def gated_ffn(x: np.ndarray, gate_up: Matrix, down: Matrix,
               activation: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     """A dense gated FFN: `down(activation(gate_up(x)))`, gate and up in one fused matrix."""
     return linear(activation(linear(x, gate_up)), down)

@@ -1,9 +1,11 @@
-"""A weight matrix kept as its GGUF quants: int8 values, a float32 scale and offset per block.
+"""A weight matrix kept as its GGUF quants: values, a float32 scale and offset per block.
 
 Every value is `scale * q + offset` of its block, the value the file's own dequantizer gives, so
 the model is the file's, not a re-quantization of it; only the products' rounding differs from
-float32 BLAS. Decode-sized products (up to KERNEL_ROWS rows) run the compiled kernels, which read
-about a third of the float32 bytes; wider ones (prompt chunks) dequantize a tile of rows at a
+float32 BLAS. How `q` holds the values is its dtype (`ENCODINGS`): 4-bit types as packed nibbles
+(half a byte a value), other quants as int8, float16 and bfloat16 as their own bits. Decode-sized
+products (up to KERNEL_ROWS rows) run the compiled kernels, which read the values where they lie
+(0.75-2.25 bytes a value instead of float32's 4); wider ones (prompt chunks) dequantize a tile of rows at a
 time into float32 and hand it to BLAS, whose matrix product then costs more than the conversion.
 """
 
@@ -21,28 +23,36 @@ KERNEL_ROWS = 24
 # more than they save (figures: docs/PERFORMANCE.md, measurements behind code choices).
 TILE_VALUES = 1 << 22
 
+# `q`'s dtype -> values a element holds; the kernels decode each dtype their own way.
+INT8 = np.dtype(np.int8)  # one value a byte
+NIBBLES = np.dtype(np.uint8)  # two: value i of a block of 32 in the low half, value i + 16 in the high
+HALF = np.dtype(np.int16)  # float16 bits
+BFLOAT = np.dtype(np.uint16)  # bfloat16 bits
+ENCODINGS = {INT8: 1, NIBBLES: 2, HALF: 1, BFLOAT: 1}
+
 
 @dataclass(frozen=True)
 class QuantMatrix:
-    """`[out, in]` weights: `q` int8 `[out, in]`, `scale` and `offset` float32 `[out, in // block]`."""
+    """`[out, in]` weights: `q` `[out, in // ENCODINGS[q.dtype]]`, `scale` and `offset` float32
+    `[out, in // block]`."""
 
     q: np.ndarray
     scale: np.ndarray
     offset: np.ndarray
 
     @classmethod
-    def empty(cls, rows: int, columns: int, block: int) -> QuantMatrix:
+    def empty(cls, rows: int, columns: int, block: int, dtype: np.dtype = INT8) -> QuantMatrix:
         blocks = columns // block
-        return cls(np.empty((rows, columns), np.int8), np.empty((rows, blocks), np.float32),
+        return cls(np.empty((rows, columns // ENCODINGS[dtype]), dtype), np.empty((rows, blocks), np.float32),
                    np.empty((rows, blocks), np.float32))
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.q.shape
+        return len(self.q), self.q.shape[1] * ENCODINGS[self.q.dtype]
 
     @property
     def block(self) -> int:
-        return self.q.shape[1] // self.scale.shape[1]
+        return self.shape[1] // self.scale.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -57,9 +67,11 @@ class QuantMatrix:
 
     def __getitem__(self, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` in float32: the embedding lookup."""
-        n, block = len(ids), self.block
-        values = self.q[ids].reshape(n, -1, block) * self.scale[ids][:, :, None] + self.offset[ids][:, :, None]
-        return values.reshape(n, -1)
+        from lmserve.engine_cpu import kernels
+
+        out = np.empty((len(ids), self.shape[1]), np.float32)
+        kernels.dequantize(self.q[ids], self.scale[ids], self.offset[ids], out)
+        return out
 
     def times(self, x: np.ndarray) -> np.ndarray:
         """`x [n, in]` times this matrix transposed: `[n, out]` float32."""
@@ -79,3 +91,31 @@ class QuantMatrix:
             kernels.dequantize(part.q, part.scale, part.offset, tile[:len(part)])
             out[:, start:start + len(part)] = x @ tile[:len(part)].T
         return out
+
+
+@dataclass(frozen=True)
+class MatrixStack:
+    """Matrices of one width stacked along their rows, each kept in its own encoding: a fused
+    matrix (Q/K/V, gate/up) whose tensors come in different quant types (Q4_K_M files mix Q4_K
+    and Q6_K). Converting all to their finest common form would double the 4-bit parts' bytes."""
+
+    parts: tuple[QuantMatrix, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self), self.parts[0].shape[1]
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    def times(self, x: np.ndarray) -> np.ndarray:
+        """`x [n, in]` times the stacked matrix transposed: `[n, out]` float32."""
+        out = np.empty((len(x), len(self)), np.float32)
+        row = 0
+        for part in self.parts:
+            out[:, row:row + len(part)] = part.times(x)
+            row += len(part)
+        return out
+
+
+Matrix = np.ndarray | QuantMatrix | MatrixStack  # a weight matrix as the forward pass reads it

@@ -15,6 +15,15 @@ Per type (`B` the block size of the unpacked scales):
 - Q4_K, Q5_K: 8 sub-blocks of 32 per 256-superblock, `d*sc*q - dmin*m` with 6-bit sc and m:
   scale `d*sc`, offset `-(dmin*m)` (B=32).
 - Q6_K: 16 sub-blocks of 16, `d*sc*(q-32)` with int8 sc: q-32, scale `d*sc`, offset 0 (B=16).
+- Q2_K: 16 sub-blocks of 16, `d*(sc&0xF)*q - dmin*(sc>>4)` with 2-bit q: scale `d*(sc&0xF)`,
+  offset `-(dmin*(sc>>4))` (B=16).
+- Q3_K: 16 sub-blocks of 16, `d*(sc-32)*q` with 6-bit sc and q = the 2 low bits minus 4 unless the
+  hmask bit is set (-4..3): scale `d*(sc-32)`, offset 0 (B=16).
+- IQ4_NL `d*kvalues[nibble]` (int8 table, -127..113): q the table value, scale d, offset 0 (B=32).
+- IQ4_XS: 8 sub-blocks of 32 per 256-superblock, `d*(ls-32)*kvalues[nibble]` with 6-bit ls (4 low
+  bits in scales_l, 2 high in scales_h): q the IQ4_NL table value, scale `d*(ls-32)`, offset 0 (B=32).
+- MXFP4 `2^(e-128) * kvalues[nibble]` with an E8M0 exponent byte e and the doubled e2m1 values
+  (-12..12): q the table value, scale the power of two (exact), offset 0 (B=32).
 """
 
 from __future__ import annotations
@@ -35,9 +44,19 @@ SUPPORTED: dict[GGMLQuantizationType, int] = {
     _T.Q4_K: 32,
     _T.Q5_K: 32,
     _T.Q6_K: 16,
+    _T.Q2_K: 16,
+    _T.Q3_K: 16,
+    _T.IQ4_NL: 32,
+    _T.IQ4_XS: 32,
+    _T.MXFP4: 32,
 }
 
 Unpacked = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+# The 16-entry int8 tables of the non-linear 4-bit types (gguf.quants.IQ4_NL.kvalues, MXFP4.kvalues:
+# e2m1 values doubled).
+_IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+_MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 def unpack(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> Unpacked:
@@ -103,6 +122,22 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
     mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
     return sc, mn
+
+
+def _crumbs(packed: np.ndarray, halves: int) -> np.ndarray:
+    """[n, halves * 32] bytes -> uint8 [n, halves, 4, 32]: the 2-bit fields at bits 0, 2, 4, 6 of
+    each half's 32 bytes, in that order (Q2_K's and Q3_K's layout)."""
+    packed = packed.reshape(-1, halves, 32)
+    out = np.empty((packed.shape[0], halves, 4, 32), dtype=np.uint8)
+    for k in range(4):
+        np.right_shift(packed, np.uint8(2 * k), out=out[:, :, k])
+    np.bitwise_and(out, np.uint8(0x03), out=out)
+    return out
+
+
+def _lookup(table: tuple[int, ...], nibbles: np.ndarray) -> np.ndarray:
+    """int8 table[nibbles] for a 16-entry table."""
+    return np.asarray(table, dtype=np.int8)[nibbles]
 
 
 def _zeros(n_blocks: int, per_block: int) -> np.ndarray:
@@ -183,6 +218,57 @@ def _q6_k(blocks: np.ndarray) -> Unpacked:
     return _center(q, 32), d[:, None] * sc, _zeros(len(blocks), QK_K // 16)
 
 
+def _q2_k(blocks: np.ndarray) -> Unpacked:
+    sc = blocks[:, :16]
+    d, dmin = _half(blocks, 80), _half(blocks, 82)
+    scale = d[:, None] * (sc & 0x0F).astype(np.float32)
+    offset = dmin[:, None] * (sc >> 4).astype(np.float32)
+    np.negative(offset, out=offset)
+    q = _crumbs(blocks[:, 16:80], 2)  # [n, 2, 4, 32] = sub-blocks 0..15 of 16
+    return q.view(np.int8), scale, offset
+
+
+def _q3_k(blocks: np.ndarray) -> Unpacked:
+    hmask, packed = blocks[:, :32], blocks[:, 96:108]
+    d = _half(blocks, 108)
+    # 6-bit scales: low nibbles of bytes 0..7 then their high nibbles; the top 2 bits are the 2-bit
+    # fields of bytes 8..11, at shift 0 for scales 0..3, 2 for 4..7, 4 for 8..11, 6 for 12..15.
+    low = np.concatenate([packed[:, :8] & 0x0F, packed[:, :8] >> 4], axis=-1)
+    shifts = np.arange(0, 8, 2, dtype=np.uint8)[:, None]
+    high = ((packed[:, None, 8:12] >> shifts) & np.uint8(0x03)).reshape(-1, 16)
+    sc = (low | (high << 4)).view(np.int8) - np.int8(32)
+    q = _crumbs(blocks[:, 32:96], 2).reshape(-1, 8, 32)  # value 32*j + l: 2-bit field of run j
+    bits = np.unpackbits(np.ascontiguousarray(hmask)[:, None, :], axis=1, count=8, bitorder="little")
+    np.bitwise_xor(bits, np.uint8(1), out=bits)  # subtract 4 where the hmask bit is clear
+    np.left_shift(bits, np.uint8(2), out=bits)
+    np.subtract(q, bits, out=q)
+    return q.view(np.int8), d[:, None] * sc.astype(np.float32), _zeros(len(blocks), QK_K // 16)
+
+
+def _iq4_nl(blocks: np.ndarray) -> Unpacked:
+    d = _half(blocks, 0)
+    q = _lookup(_IQ4_VALUES, _nibbles(blocks[:, 2:], 1, 16))
+    return q, d, _zeros(len(blocks), 1)
+
+
+def _iq4_xs(blocks: np.ndarray) -> Unpacked:
+    d = _half(blocks, 0)
+    scales_h = np.ascontiguousarray(blocks[:, 2:4]).view(np.uint16)  # [n, 1]
+    scales_l = _nibbles(blocks[:, 4:8], 4, 1).reshape(-1, 8)  # sub-block 2i: low nibble of byte i
+    shifts = np.arange(0, 16, 2, dtype=np.uint16)
+    high = ((scales_h >> shifts) & np.uint16(0x03)).astype(np.uint8)
+    ls = (scales_l | (high << 4)).view(np.int8) - np.int8(32)
+    q = _lookup(_IQ4_VALUES, _nibbles(blocks[:, 8:], 8, 16))  # [n, 8, 2, 16] = sub-blocks of 32
+    return q, d[:, None] * ls.astype(np.float32), _zeros(len(blocks), QK_K // 32)
+
+
+def _mxfp4(blocks: np.ndarray) -> Unpacked:
+    # gguf's e8m0_to_fp32_half: 2^(e-128), subnormal for e < 2; ldexp forms the same float32.
+    scale = np.ldexp(np.float32(1.0), blocks[:, 0].astype(np.int32) - 128).astype(np.float32)
+    q = _lookup(_MXFP4_VALUES, _nibbles(blocks[:, 1:], 1, 16))
+    return q, scale, _zeros(len(blocks), 1)
+
+
 _UNPACKERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Unpacked]] = {
     _T.Q4_0: _q4_0,
     _T.Q4_1: _q4_1,
@@ -192,4 +278,9 @@ _UNPACKERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Unpacked]] = {
     _T.Q4_K: _q4_k,
     _T.Q5_K: _q5_k,
     _T.Q6_K: _q6_k,
+    _T.Q2_K: _q2_k,
+    _T.Q3_K: _q3_k,
+    _T.IQ4_NL: _iq4_nl,
+    _T.IQ4_XS: _iq4_xs,
+    _T.MXFP4: _mxfp4,
 }

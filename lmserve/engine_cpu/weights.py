@@ -10,20 +10,23 @@ the output gate z, beta with alpha). Each layer's mixer is an `AttentionWeights`
 recurrent layers, a `DeltaNetWeights`.
 
 Tensors are dequantized 64K values at a time straight into their place in the fused matrices,
-which all live in one arena (see `_Loader`): no extra copies, temporaries that stay in cache, and
-one `gguf` call per 64K values rather than one per 16 rows. A thread pool of 2 was measured slower
+which live in a few large arenas (see `_Loader`): no extra copies, temporaries that stay in cache,
+and one `gguf` call per 64K values rather than one per 16 rows. A thread pool of 2 was measured slower
 (figures: docs/PERFORMANCE.md, measurements behind code choices): the `gguf` dequantizers are many
 small NumPy calls that hold the GIL.
 
-Weight matrices whose quant type `quant_blocks` unpacks stay quantized when the compiled kernels
-are available (`QuantMatrix`: 1.25-1.5 bytes a value, the file's own values); everything else
-(norms, biases, MoE experts, other quant types) is float32, 4 bytes a value. `load_weights`
-first checks that this fits in the memory available and refuses with the arithmetic if not.
+Weight matrices, MoE experts among them (one matrix per expert, so a step reads only the routed
+ones), stay in their file's values when the compiled kernels are available, in the form
+`encodings` gives their type (`QuantMatrix`: 0.75-2.25 bytes a value; a fused matrix whose tensors
+differ in type is a `MatrixStack` of them); everything else (norms, biases, other types) is
+float32, 4 bytes a value. `load_weights` lays every matrix out first, without touching its memory,
+and refuses with the arithmetic if they do not fit in the memory available.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -34,22 +37,22 @@ import psutil
 from gguf import MODEL_TENSOR, TENSOR_NAMES
 from gguf import quants as gguf_quants
 
-from lmserve.engine_cpu.qmatrix import QuantMatrix
-from lmserve.engine_cpu.quant_blocks import SUPPORTED, unpack
+from lmserve.engine_cpu.encodings import Encoding, encode, encoding_of
+from lmserve.engine_cpu.qmatrix import ENCODINGS, Matrix, MatrixStack, QuantMatrix
 from lmserve.model.config import ROPE_INTERLEAVED, ModelConfig
 from lmserve.model.families import ROUTE_GEMMA4
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
 from lmserve.model.rope import Rope, rope_for
 
 ALIGN = 16  # float32 values: every array starts on a 64-byte cache line
+ARENA_VALUES = 1 << 24  # float32 values an arena holds at least (64 MiB): big enough for huge pages
 CHUNK_ELEMENTS = 1 << 16  # values dequantized per call: few calls, temporaries fit in L2 cache
 _MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed
 _TRIM_THRESHOLD = 64 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers
-FLOAT32_BYTES = 4
 
 Progress = Callable[[int, int], None]
-Matrix = np.ndarray | QuantMatrix
+Experts = np.ndarray | list[Matrix]  # float32 `[experts, rows, columns]`, or one kept matrix per expert
 
 
 @dataclass
@@ -68,9 +71,9 @@ class ExpertWeights:
 
     router: Matrix  # [experts, hidden]
     router_bias: np.ndarray | None  # gpt-oss
-    gate_up: np.ndarray  # [experts, 2 * ffn, hidden]: each expert's gate rows, then its up rows
+    gate_up: Experts  # [experts][2 * ffn, hidden]: each expert's gate rows, then its up rows
     gate_up_bias: np.ndarray | None  # [experts, 2 * ffn]
-    down: np.ndarray  # [experts, hidden, ffn]
+    down: Experts  # [experts][hidden, ffn]
     down_bias: np.ndarray | None  # [experts, hidden]
     shared: SharedExpert | None = None
     # Gemma 4: the router reads the residual stream RMS-normalized, times this and 1/sqrt(hidden)
@@ -147,11 +150,13 @@ class ModelWeights:
         return sum(a.nbytes for a in arrays.values())
 
 
-def _arrays(items: Iterable[object]) -> Iterator[np.ndarray | QuantMatrix]:
-    """Every array in `items` and in the weight dataclasses they hold, however nested."""
+def _arrays(items: Iterable[object]) -> Iterator[np.ndarray]:
+    """Every array in `items` and in the weight dataclasses and lists they hold, however nested."""
     for item in items:
-        if isinstance(item, np.ndarray | QuantMatrix):
+        if isinstance(item, np.ndarray):
             yield item
+        elif isinstance(item, list | tuple):
+            yield from _arrays(item)
         elif is_dataclass(item):
             yield from _arrays(getattr(item, f.name) for f in fields(item))
 
@@ -171,25 +176,26 @@ def _scale(kind: MODEL_TENSOR, block: int) -> str:
 class _Loader:
     """Collects (tensor, destination) jobs first so progress knows the total, then runs them.
 
-    Destinations are carved out of one arena big enough for every tensor in the file: NumPy
-    asks the kernel for transparent huge pages on large allocations, so first-touching the
-    weights costs a fraction of what 4 KiB page faults do (figures: docs/PERFORMANCE.md,
-    measurements behind code choices), and decode's weight stream needs fewer TLB entries.
-    Untouched arena tail is never backed by memory.
+    Float32 destinations are carved out of arenas of at least ARENA_VALUES: NumPy asks the
+    kernel for transparent huge pages on large allocations, so first-touching the weights costs
+    a fraction of what 4 KiB page faults do (figures: docs/PERFORMANCE.md, measurements behind
+    code choices), and decode's weight stream needs fewer TLB entries. Nothing is touched until
+    `run`, and an arena's untouched tail is never backed by memory.
     """
 
     def __init__(self, gguf: GGUFFile, head_dim: int, quantized: bool) -> None:
         self.gguf = gguf
         self.head_dim = head_dim
-        self.quantized = quantized  # keep matrices of the types `quant_blocks` unpacks as QuantMatrix
+        self.quantized = quantized  # keep matrices in their `encodings` form (False: float32)
         # (tensor, destination, heads permuted, first row of the tensor it holds)
         self.jobs: list[tuple[str, Matrix, bool, int]] = []
-        size = sum(info.n_elements + ALIGN for info in gguf.tensors.values())
-        self._arena = np.empty(size, dtype=np.float32)
+        self._arena = np.empty(0, dtype=np.float32)
         self._used = 0
 
     def _alloc(self, shape: tuple[int, ...]) -> np.ndarray:
         start = -(-self._used // ALIGN) * ALIGN
+        if start + math.prod(shape) > len(self._arena):
+            self._arena, start = np.empty(max(ARENA_VALUES, math.prod(shape)), dtype=np.float32), 0
         self._used = start + math.prod(shape)
         return self._arena[start:self._used].reshape(shape)
 
@@ -200,45 +206,65 @@ class _Loader:
         return out
 
     def matrix(self, name: str, shape: tuple[int, int]) -> Matrix:
-        """A weight matrix to be filled from one tensor: quantized if its type allows."""
-        if not self._quantizable([name]):
-            return self.tensor(name, shape)
+        """A weight matrix to be filled from one tensor: kept in its type's encoding if it has one."""
         if self._info(name) != shape:
             raise ModelLoadError(f"tensor {name} has shape {self._info(name)}, expected {shape}")
         return self.fused([name])
 
     def fused(self, names: list[str], permuted: tuple[bool, ...] | None = None) -> Matrix:
-        """Several tensors stacked along their first axis into one contiguous array, or one
-        QuantMatrix when all are quantizable matrices (with the finest block size among them)."""
+        """Several tensors stacked along their first axis: one contiguous float32 array, or when
+        all are matrices with an encoding, one QuantMatrix (a MatrixStack where they differ)."""
         shapes = [self._info(name) for name in names]
         if len({shape[1:] for shape in shapes}) != 1:
             raise ModelLoadError(f"cannot fuse tensors of shapes {shapes}: {names}")
-        rows = sum(shape[0] for shape in shapes)
-        out: Matrix
-        if self._quantizable(names):
-            block = min(SUPPORTED[self.gguf.tensors[name].qtype] for name in names)
-            out = QuantMatrix.empty(rows, shapes[0][1], block)
-        else:
-            out = self._alloc((rows, *shapes[0][1:]))
-        row = 0
-        for i, (name, shape) in enumerate(zip(names, shapes, strict=True)):
-            part = out.rows(row, row + shape[0]) if isinstance(out, QuantMatrix) else out[row:row + shape[0]]
-            self._add(name, part, bool(permuted and permuted[i]))
-            row += shape[0]
+        flags = [bool(permuted and permuted[i]) for i in range(len(names))]
+        return self._stacked([(name, 0, shape[0], flag) for name, shape, flag in zip(names, shapes, flags, strict=True)],
+                             shapes[0][1:])
+
+    def _stacked(self, sources: list[tuple[str, int, int, bool]], row_shape: tuple[int, ...]) -> Matrix:
+        """Rows `first:first + count` of each source tensor (heads permuted where flagged), stacked."""
+        rows = sum(count for _, _, count, _ in sources)
+        encodings = [self._encoding(name) for name, *_ in sources]
+        if None in encodings:
+            out = self._alloc((rows, *row_shape))
+            parts: list[Matrix] = []
+            row = 0
+            for _, _, count, _ in sources:
+                parts.append(out[row:row + count])
+                row += count
+        else:  # neighbours of one encoding share a matrix
+            kept = []
+            parts = []
+            for encoding, group in itertools.groupby(zip(encodings, sources, strict=True), key=lambda pair: pair[0]):
+                counts = [count for _, (_, _, count, _) in group]
+                matrix = QuantMatrix.empty(sum(counts), row_shape[0], encoding.block, encoding.dtype)
+                kept.append(matrix)
+                row = 0
+                for count in counts:
+                    parts.append(matrix.rows(row, row + count))
+                    row += count
+            out = kept[0] if len(kept) == 1 else MatrixStack(tuple(kept))
+        for (name, first, _, flag), part in zip(sources, parts, strict=True):
+            self.jobs.append((name, part, flag, first))
         return out
 
-    def _quantizable(self, names: list[str]) -> bool:
-        return self.quantized and all(
-            len(self._info(name)) == 2 and self.gguf.tensors[name].qtype in SUPPORTED for name in names)
+    def _encoding(self, name: str) -> Encoding | None:
+        info = self.gguf.tensors[name]
+        if not self.quantized or len(info.shape) not in (2, 3):
+            return None
+        return encoding_of(info.qtype, info.shape[-1])
 
-    def fused_experts(self, names: list[str]) -> np.ndarray:
-        """Per-expert tensors `[experts, rows_i, ...]` stacked along their second axis, so each
-        expert's slices are one contiguous block: `[experts, sum of rows_i, ...]`."""
+    def experts(self, names: list[str]) -> Experts:
+        """Per-expert tensors `[experts, rows_i, ...]`, each expert's slices of them stacked: one
+        kept matrix per expert, or float32 `[experts, sum of rows_i, ...]`."""
         shapes = [self._info(name) for name in names]
         if len({(shape[0], *shape[2:]) for shape in shapes}) != 1:
             raise ModelLoadError(f"cannot fuse expert tensors of shapes {shapes}: {names}")
-        experts = shapes[0][0]
-        out = self._alloc((experts, sum(shape[1] for shape in shapes), *shapes[0][2:]))
+        experts, row_shape = shapes[0][0], shapes[0][2:]
+        if len(shapes[0]) == 3 and all(self._encoding(name) for name in names):
+            return [self._stacked([(name, e * shape[1], shape[1], False) for name, shape in zip(names, shapes, strict=True)],
+                                  row_shape) for e in range(experts)]
+        out = self._alloc((experts, sum(shape[1] for shape in shapes), *row_shape))
         row = 0
         for name, shape in zip(names, shapes, strict=True):
             rows_per_expert = math.prod(shape[1:-1])  # of the tensor's [rows, last axis] table
@@ -247,10 +273,10 @@ class _Loader:
             row += shape[1]
         return out
 
-    def _add(self, name: str, out: Matrix, heads_permuted: bool = False) -> None:
+    def _add(self, name: str, out: np.ndarray) -> None:
         if self._info(name) != out.shape:
             raise ModelLoadError(f"tensor {name} has shape {self._info(name)}, expected {out.shape}")
-        self.jobs.append((name, out, heads_permuted, 0))
+        self.jobs.append((name, out, False, 0))
 
     def _info(self, name: str) -> tuple[int, ...]:
         info = self.gguf.tensors.get(name)
@@ -264,7 +290,7 @@ class _Loader:
         done = 0
         for i, (name, out, heads_permuted, first_row) in enumerate(self.jobs):
             if isinstance(out, QuantMatrix):
-                self._unpack_into(name, out, heads_permuted)
+                self._encode_into(name, out, heads_permuted, first_row)
             else:
                 self._dequantize_into(name, out, heads_permuted, first_row)
             if progress is not None and (i + 1 == len(self.jobs) or self.jobs[i + 1][0] != name):
@@ -298,21 +324,19 @@ class _Loader:
             part = chunk.reshape(-1, table.shape[1])
             table[start:start + len(part)] = part
 
-    def _unpack_into(self, name: str, out: QuantMatrix, heads_permuted: bool) -> None:
-        """Fill `out` with the tensor's own quants, a few rows at a time (rows permuted as in
-        `_dequantize_into`); a coarser block's scale and offset repeat over `out`'s finer blocks."""
+    def _encode_into(self, name: str, out: QuantMatrix, heads_permuted: bool, first_row: int) -> None:
+        """Fill `out` with the tensor's own values from row `first_row` on, a few rows at a time
+        (rows permuted as in `_dequantize_into`)."""
         info = self.gguf.tensors[name]
         columns = info.shape[-1]
-        rows = np.asarray(self.gguf.raw(name)).reshape(len(out), -1)
+        raw = np.asarray(self.gguf.raw(name))
+        rows = raw.reshape(info.n_elements // columns, -1)[first_row:first_row + len(out)]
         step = max(1, CHUNK_ELEMENTS // columns)
         if heads_permuted:
             step = -(-step // self.head_dim) * self.head_dim
-        repeat = SUPPORTED[info.qtype] // out.block
         for start in range(0, len(out), step):
-            parts = unpack(rows[start:start + step], info.qtype, columns)
+            parts = encode(rows[start:start + step], info.qtype, columns)
             for part, table in zip(parts, (out.q, out.scale, out.offset), strict=True):
-                if part is not parts[0] and repeat > 1:
-                    part = np.repeat(part, repeat, axis=1)
                 if heads_permuted:
                     part = part.reshape(-1, self.head_dim // 2, 2, part.shape[1]).transpose(0, 2, 1, 3)
                 part = part.reshape(-1, table.shape[1])
@@ -342,21 +366,15 @@ def _size(n: float) -> str:
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
 
 
-def weight_bytes(gguf: GGUFFile, quantized: bool) -> int:
-    """Bytes the loaded weights take: a matrix of a type `quant_blocks` unpacks 1 + 8 / block a
-    value when `quantized`, everything else 4 (a tied head is one tensor, counted once; a fused
-    matrix that mixes block sizes takes the finer one's, up to 1/4 byte a value more)."""
-    total = 0
-    for info in gguf.tensors.values():
-        block = SUPPORTED.get(info.qtype) if quantized and len(info.shape) == 2 else None
-        total += info.n_elements + 8 * info.n_elements // block if block else FLOAT32_BYTES * info.n_elements
-    return total
+def weight_bytes(gguf: GGUFFile, config: ModelConfig, quantized: bool) -> int:
+    """Bytes the loaded weights would take (each matrix in its type's encoding when `quantized`,
+    everything else float32; a tied head counted once), from their layout: nothing is read."""
+    return _plan(gguf, config, quantized)[1].nbytes
 
 
-def check_memory(gguf: GGUFFile, quantized: bool, available: int | None = None) -> None:
-    """Refuse a model whose weights do not fit in `available` bytes (None: what psutil reports
-    available now)."""
-    need = weight_bytes(gguf, quantized)
+def check_memory(gguf: GGUFFile, need: int, available: int | None = None) -> None:
+    """Refuse weights of `need` bytes that do not fit in `available` bytes (None: what psutil
+    reports available now)."""
     available = psutil.virtual_memory().available if available is None else available
     if need > available:
         file_bytes = gguf.path.stat().st_size
@@ -368,16 +386,24 @@ def check_memory(gguf: GGUFFile, quantized: bool, available: int | None = None) 
 
 def load_weights(gguf: GGUFFile, config: ModelConfig, progress: Progress | None = None,
                  available_memory: int | None = None, quantized: bool = False) -> ModelWeights:
-    """Load every tensor the forward pass needs into fused matrices (quantized ones kept as
-    QuantMatrix when `quantized`, the rest float32), after checking that they fit in memory
-    (`available_memory` bytes; None: ask psutil)."""
+    """Load every tensor the forward pass needs into fused matrices (kept in their encodings when
+    `quantized`, the rest float32), after checking that they fit in memory (`available_memory`
+    bytes; None: ask psutil)."""
     c = config
-    check_memory(gguf, quantized, available_memory)
-    _retain_freed_heap()
     for i in c.attention_layers:
         if c.head_size(i) % 2 or c.layer_rotary_dims(i) % 2:
             raise ModelLoadError(f"head dimension {c.head_size(i)} (rotated: {c.layer_rotary_dims(i)}) of layer {i} "
                                  "is odd; RoPE needs pairs")
+    loader, weights = _plan(gguf, config, quantized)
+    check_memory(gguf, weights.nbytes, available_memory)
+    _retain_freed_heap()
+    loader.run(progress)
+    return weights
+
+
+def _plan(gguf: GGUFFile, config: ModelConfig, quantized: bool) -> tuple[_Loader, ModelWeights]:
+    """Every weight laid out (allocated, not yet touched) and the loader that fills them."""
+    c = config
     loader = _Loader(gguf, c.head_dim, quantized)
     permute = c.rope_style == ROPE_INTERLEAVED
     embed = loader.matrix(_name(MODEL_TENSOR.TOKEN_EMBD), (c.vocab_size, c.hidden_size))
@@ -386,7 +412,6 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, progress: Progress | None 
     output = embed
     if not c.tied_embeddings:
         output = loader.matrix(_name(MODEL_TENSOR.OUTPUT), (c.vocab_size, c.hidden_size))
-    loader.run(progress)
     # Only the global layers read `rope_freqs` (Gemma 4's proportional rope; Llama 3 has no local ones).
     global_rope = rope_for(gguf, c, c.rope_theta, c.rope_linear_factor, c.layer_rotary_dims(_global_layer(c)),
                         c.has_rope_freqs)
@@ -395,7 +420,7 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, progress: Progress | None 
             isinstance(layer.mixer, AttentionWeights) and layer.mixer.local_rope for layer in layers):
         sliding = next(i for i in c.attention_layers if c.sliding_layers[i])
         local_rope = rope_for(gguf, c, c.rope_theta_local, 1.0, c.layer_rotary_dims(sliding), False)
-    return ModelWeights(embed, layers, output_norm, output, global_rope, local_rope)
+    return loader, ModelWeights(embed, layers, output_norm, output, global_rope, local_rope)
 
 
 def _global_layer(c: ModelConfig) -> int:
@@ -508,11 +533,14 @@ def _experts(loader: _Loader, c: ModelConfig, i: int) -> ExpertWeights:
     tensors = loader.gguf.tensors
     n, hidden, ffn = c.n_experts, c.hidden_size, c.expert_ffn_size or c.ffn_size
     if _name(MODEL_TENSOR.FFN_GATE_UP_EXP, i) in tensors:
-        gate_up = loader.tensor(_name(MODEL_TENSOR.FFN_GATE_UP_EXP, i), (n, 2 * ffn, hidden))
+        gate_up = loader.experts([_name(MODEL_TENSOR.FFN_GATE_UP_EXP, i)])
     else:
-        gate_up = loader.fused_experts([_name(MODEL_TENSOR.FFN_GATE_EXP, i), _name(MODEL_TENSOR.FFN_UP_EXP, i)])
-    if gate_up.shape != (n, 2 * ffn, hidden):
-        raise ModelLoadError(f"expert tensors of layer {i} have shape {gate_up.shape}, expected {(n, 2 * ffn, hidden)}")
+        gate_up = loader.experts([_name(MODEL_TENSOR.FFN_GATE_EXP, i), _name(MODEL_TENSOR.FFN_UP_EXP, i)])
+    down = loader.experts([_name(MODEL_TENSOR.FFN_DOWN_EXP, i)])
+    for stack, shape in ((gate_up, (2 * ffn, hidden)), (down, (hidden, ffn))):
+        if len(stack) != n or stack[0].shape != shape:
+            raise ModelLoadError(f"expert tensors of layer {i} are {len(stack)} of shape {stack[0].shape}, "
+                                 f"expected {n} of {shape}")
     bias = c.expert_bias
     gate, up = MODEL_TENSOR.FFN_GATE_EXP, MODEL_TENSOR.FFN_UP_EXP
     shared = None
@@ -530,8 +558,8 @@ def _experts(loader: _Loader, c: ModelConfig, i: int) -> ExpertWeights:
         router=loader.matrix(_name(MODEL_TENSOR.FFN_GATE_INP, i), (n, hidden)),
         router_bias=loader.tensor(_bias(MODEL_TENSOR.FFN_GATE_INP, i), (n,)) if bias else None,
         gate_up=gate_up,
-        gate_up_bias=loader.fused_experts([_bias(gate, i), _bias(up, i)]) if bias else None,
-        down=loader.tensor(_name(MODEL_TENSOR.FFN_DOWN_EXP, i), (n, hidden, ffn)),
+        gate_up_bias=loader.experts([_bias(gate, i), _bias(up, i)]) if bias else None,
+        down=down,
         down_bias=loader.tensor(_bias(MODEL_TENSOR.FFN_DOWN_EXP, i), (n, hidden)) if bias else None,
         shared=shared,
         router_scale=loader.tensor(_scale(MODEL_TENSOR.FFN_GATE_INP, i), (hidden,)) if gemma else None,
@@ -539,3 +567,8 @@ def _experts(loader: _Loader, c: ModelConfig, i: int) -> ExpertWeights:
         norm=loader.tensor(_name(MODEL_TENSOR.FFN_PRE_NORM_2, i), (hidden,)) if dense_beside else None,
         post_norm=loader.tensor(_name(MODEL_TENSOR.FFN_POST_NORM_2, i), (hidden,)) if dense_beside else None,
     )
+
+
+def kept_dtypes(weights: ModelWeights) -> set[np.dtype]:
+    """The encodings (values dtypes) of the matrices kept in their file's values."""
+    return {array.dtype for array in _arrays([weights]) if array.dtype in ENCODINGS}

@@ -148,9 +148,10 @@ def recommended_sampling(architecture: str, metadata: dict[str, Any]) -> Recomme
 
 
 # How each engine computes a weight of each GGUF type (see docs/MODELS.md). The engines hold the
-# authoritative sets (engine_cpu.quant_blocks.SUPPORTED, engine_mlx.weights.NATIVE_TYPES); a test
+# authoritative sets (engine_cpu.encodings.encoding_of, engine_mlx.weights.NATIVE_TYPES); a test
 # keeps these names equal to them, so `--help` can say it without importing either engine.
-CPU_KEPT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+CPU_KEPT_TYPES = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                  "IQ4_NL", "IQ4_XS", "MXFP4")
 MLX_NATIVE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "MXFP4")
 
 
@@ -159,6 +160,6 @@ def support_summary() -> str:
     names = ", ".join(f"{f.name} ({f.architecture})" for f in FAMILIES.values())
     return (f"families: {names}.\n"
             f"weights: MLX loads {', '.join(MLX_NATIVE_TYPES)} natively and re-quantizes other types "
-            f"once (cached); the NumPy engine computes {', '.join(CPU_KEPT_TYPES)} matrices in their blocks "
-            f"(int8 kernels) and holds other types, MoE experts and norms as float32.\n"
+            f"once (cached); the NumPy engine computes {', '.join(CPU_KEPT_TYPES)} matrices (MoE experts "
+            f"too) in their own values (4-bit types as packed nibbles) and holds other types and norms as float32.\n"
             f"speculation (ngram) is on by default where verifying is cheap, off on MLX's CPU backend.")
