@@ -78,6 +78,9 @@ class TrackingEngine(Engine[C]):
         held.prompt, held.decodes = len(held.tokens), 0
         return self.after_prefill(held, logits)
 
+    def embed(self, token_ids: Sequence[int]) -> np.ndarray:
+        return self.engine.embed(token_ids)  # a pass on a cache of its own: nothing held changes
+
     def decode(self, caches: Sequence[C], token_ids: Sequence[int]) -> np.ndarray:
         return self.after_decode(self._step(caches, token_ids), self.engine.decode(caches, token_ids), False)
 

@@ -229,6 +229,7 @@ def check(a, b):
 
 a = both("new_cache", 64)
 check(*both("prefill", a, list(range(10, 20))))
+check(*both("embed", list(range(40, 52))))  # every rank on a cache of its own: the caches held stay as they were
 both("checkpoint", a)  # a hybrid cache keeps its state at 10 (a no-op for attention-only models)
 b = both("new_cache", 64)
 both("copy_prefix", a, b, 6)
@@ -264,7 +265,8 @@ Path(sys.argv[2], "result.json").write_text(json.dumps(out))
 def test_lockstep_calls_match_one_engine(model: Path, mode: str, tmp_path: Path) -> None:
     """Every engine call through LockstepEngine (batched decode, verify, truncate, copy_prefix, a
     refused call, save/load, a freed cache; a hybrid model's checkpoint, and the recomputation a
-    cut between checkpoints makes) gives one engine's logits, with half the weights."""
+    cut between checkpoints makes) gives one engine's logits, with half the weights; `embed`
+    gives one engine's hidden states."""
     script = tmp_path / "lockstep.py"
     script.write_text(LOCKSTEP_SCRIPT)
     proc = subprocess.run(

@@ -126,6 +126,15 @@ class Engine(Protocol[C]):
         or of every new position `[len(token_ids), vocab]` when `all_logits`."""
         ...
 
+    def embed(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The final hidden states of `token_ids` run as one sequence from position 0: every
+        position's, after the output norm and before the output head, float32 `[n, hidden]`
+        (what an embedding is pooled from, `serving/embeddings.py`). Runs on a temporary cache of
+        its own: no cache the server holds is read or changed. Called, as every engine call, from
+        the thread that drives the engine (MLX's stream is that thread's). ValueError for no
+        tokens or an id outside the vocabulary."""
+        ...
+
     def decode(self, caches: Sequence[C], token_ids: Sequence[int]) -> np.ndarray:
         """One step for several sequences at once (one pass over the weights): appends
         `token_ids[i]` to `caches[i]` and returns logits `[batch, vocab]`."""

@@ -21,9 +21,10 @@ the cache that was fed the prefix.
 
 from __future__ import annotations
 
+import collections
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -119,17 +120,26 @@ class CPUEngine(Engine[CPUCache]):
     # -- inference ---------------------------------------------------------------------------
 
     def prefill(self, cache: CPUCache, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        c = _own(cache)
+        chunks = self._chunks(_own(cache), token_ids, "prefill")
+        if all_logits:
+            return np.concatenate([self._logits(h) for h in chunks])
+        (h,) = collections.deque(chunks, maxlen=1)  # every chunk runs; the last one's last row gives the logits
+        return self._logits(h[-1:])[0]
+
+    def embed(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The prompt's pass on a cache of exactly its length, made here and dropped after: the
+        output norm's result of every chunk, no head."""
+        chunks = self._chunks(self.new_cache(len(token_ids)), token_ids, "embed")
+        return np.concatenate([self._norm(h) for h in chunks])
+
+    def _chunks(self, cache: CPUCache, token_ids: Sequence[int], what: str) -> Iterator[np.ndarray]:
+        """Append `token_ids` to the cache a chunk at a time (checked and room reserved before the
+        first), yielding each chunk's last hidden states `[chunk, hidden]`."""
         ids = check_token_ids(token_ids, self.config.vocab_size)
         if len(ids) == 0:
-            raise ValueError("prefill needs at least one token")
-        c.reserve(c.length + len(ids))
-        logits = []
-        for start in range(0, len(ids), FORWARD_CHUNK):
-            h = self._forward(ids[start:start + FORWARD_CHUNK], [c])
-            if all_logits:
-                logits.append(self._logits(h))
-        return np.concatenate(logits) if all_logits else self._logits(h[-1:])[0]
+            raise ValueError(f"{what} needs at least one token")
+        cache.reserve(cache.length + len(ids))
+        return (self._forward(ids[start:start + FORWARD_CHUNK], [cache]) for start in range(0, len(ids), FORWARD_CHUNK))
 
     def decode(self, caches: Sequence[CPUCache], token_ids: Sequence[int]) -> np.ndarray:
         own = [_own(c) for c in caches]
@@ -198,10 +208,14 @@ class CPUEngine(Engine[CPUCache]):
         batch.finish(ids)
         return h
 
+    def _norm(self, h: np.ndarray) -> np.ndarray:
+        """The output norm: the last hidden states `[n, hidden]` as the head (or a pooling) reads them."""
+        return ops.rms_norm(h, self.weights.output_norm, self.config.rms_eps)
+
     def _logits(self, h: np.ndarray) -> np.ndarray:
         """Final norm and output head: `[n, hidden]` -> `[n, vocab]`; softcapped where the model
         caps its logits (Gemma 4: cap * tanh(logits / cap))."""
-        logits = ops.linear(ops.rms_norm(h, self.weights.output_norm, self.config.rms_eps), self.weights.output)
+        logits = ops.linear(self._norm(h), self.weights.output)
         cap = self.config.final_softcap
         if cap:
             logits /= np.float32(cap)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import operator
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -252,6 +252,16 @@ class MLXEngine(Engine[MLXKVCache]):
         cache.n += 1
         return np.array(self._head(h[0, -1]).astype(mx.float32))
 
+    def _hidden(self, cache: MLXKVCache, ids: np.ndarray) -> Iterator[mx.array]:
+        """Run `ids` into the cache's own layers in chunks, yielding each chunk's final hidden
+        states `[chunk, hidden]` (after the output norm: mlx-lm's inner model applies it), lazy;
+        each is in the graph of the cache's new positions, so evaluating it fills them."""
+        layers = cache.own()
+        for start in range(0, len(ids), FORWARD_CHUNK):
+            chunk = ids[start:start + FORWARD_CHUNK]
+            yield self.model.model(mx.array(chunk)[None], cache=layers)[0]
+            cache.n += len(chunk)
+
     # -- the engine protocol -----------------------------------------------------------------
 
     def new_cache(self, capacity: int) -> MLXKVCache:
@@ -267,18 +277,24 @@ class MLXEngine(Engine[MLXKVCache]):
         with mx.stream(self.stream):
             self._settle()
             if all_logits:
-                out = []
-                for start in range(0, len(ids), FORWARD_CHUNK):
-                    chunk = ids[start:start + FORWARD_CHUNK]
-                    out.append(np.array(self._head(self.model.model(mx.array(chunk)[None], cache=cache.own())[0])
-                                        .astype(mx.float32)))
-                    cache.n += len(chunk)
-                logits = np.concatenate(out)
+                logits = np.concatenate([np.array(self._head(h).astype(mx.float32)) for h in self._hidden(cache, ids)])
             else:
                 logits = self._feed(cache, ids, last=True)
             if cache.hybrid is not None:
                 cache.hybrid.tokens.extend(ids.tolist())
         return logits
+
+    def embed(self, token_ids: Sequence[int]) -> np.ndarray:
+        """A prefill on a cache of exactly the input's length, made here and dropped after, keeping
+        every position's hidden state instead of running the head. A greedy step `decode_argmax`
+        queued for other caches stays queued: nothing here touches them."""
+        ids = self._check_ids(token_ids)
+        if not len(ids):
+            raise ValueError("embed needs at least one token")
+        cache = self.new_cache(len(ids))
+        cache.reserve(len(ids))
+        with mx.stream(self.stream):
+            return np.concatenate([np.array(h.astype(mx.float32)) for h in self._hidden(cache, ids)])
 
     def decode(self, caches: Sequence[MLXKVCache], token_ids: Sequence[int]) -> np.ndarray:
         with mx.stream(self.stream):

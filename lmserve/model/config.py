@@ -24,6 +24,12 @@ SUPPORTED_ARCHITECTURES = tuple(families.FAMILIES)
 ROPE_INTERLEAVED = "interleaved"
 ROPE_NEOX = "neox"
 
+# `<arch>.pooling_type`, llama.cpp's `llama_pooling_type` by value: how an embedding model's
+# per-position hidden states become one vector. "none" keeps every position's; "rank" is a
+# reranker's (a classifier head on the pooled state), not an embedding.
+POOLING_TYPES = ("none", "mean", "cls", "last", "rank")
+EMBEDDING_POOLINGS = ("mean", "cls", "last")  # those that give one embedding per input
+
 
 @dataclass(frozen=True)
 class YarnScaling:
@@ -121,6 +127,9 @@ class ModelConfig:
     layer_output_scale: bool = False  # Gemma 4: each layer's output times a learned scalar
     final_softcap: float = 0.0  # logits = cap * tanh(logits / cap) (0: none)
     moe_dense_ffn: bool = False  # Gemma 4 MoE: every layer has a dense FFN beside its experts
+    # `<arch>.pooling_type` by name (POOLING_TYPES; "unknown (N)" for a value llama.cpp has no
+    # name for); None when the file has none, as a generative model's has not.
+    pooling: str | None = None
 
     def head_size(self, layer: int) -> int:
         return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
@@ -170,6 +179,12 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
+
+    @property
+    def is_embedding(self) -> bool:
+        """The file says it is an embedding model: its pooling gives one vector per input (Qwen3-
+        Embedding's converted files say `last`). A generative model's file says nothing."""
+        return self.pooling in EMBEDDING_POOLINGS
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> ModelConfig:
@@ -268,6 +283,7 @@ class ModelConfig:
             layer_output_scale=blk + "layer_output_scale.weight" in tensors,
             final_softcap=float(md.get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
             moe_dense_ffn=family.moe_dense_ffn and n_experts > 0,
+            pooling=_pooling(md.get(f"{arch}.pooling_type")),
             n_active_params=n_params - (expert_params - expert_params * n_used // n_experts if n_experts else 0),
         )
 
@@ -277,6 +293,14 @@ def _listed(value: Any) -> list | None:
     None for a single value."""
     return [x.item() if isinstance(x, np.generic) else x for x in value] \
         if isinstance(value, list | np.ndarray) else None
+
+
+def _pooling(value: Any) -> str | None:
+    """`<arch>.pooling_type` by name (None where the file has no such key)."""
+    if value is None:
+        return None
+    n = int(value)
+    return POOLING_TYPES[n] if 0 <= n < len(POOLING_TYPES) else f"unknown ({n})"
 
 
 def _uniform(value: Any, name: str, gguf: GGUFFile) -> int:

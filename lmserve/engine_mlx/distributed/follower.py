@@ -52,6 +52,8 @@ def execute(engine: ShardedMLXEngine, caches: dict[int, MLXKVCache], op: Op, arg
         caches[args[0]] = engine.load_cache(rank_path(Path(text_of(args[3:])), rank), args[1])
     elif op == Op.CHECKPOINT:
         engine.checkpoint(caches[args[0]])
+    elif op == Op.EMBED:
+        engine.embed(args)  # on a cache of its own, as rank 0's: its collectives meet rank 0's
 
 
 def follow(engine: ShardedMLXEngine, end: GroupEnd) -> None:

@@ -146,6 +146,13 @@ class LockstepEngine(Engine[MLXKVCache]):
         return self._call(Op.PREFILL, [cache.handle, int(all_logits), *token_ids],  # type: ignore[attr-defined]
                           lambda: self.inner.prefill(cache, token_ids, all_logits))
 
+    def embed(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Every rank runs the pass on a temporary cache of its own (a tensor-parallel pass sums
+        its shares inside each layer, a pipeline's last rank gathers the final state to every
+        rank): rank 0's hidden states are the whole model's."""
+        ids = [int(t) for t in token_ids]
+        return self._call(Op.EMBED, ids, lambda: self.inner.embed(ids))
+
     def decode(self, caches: Sequence[MLXKVCache], token_ids: Sequence[int]) -> np.ndarray:
         return self._call(Op.DECODE, [len(caches), *self._handles(caches), *token_ids],
                           lambda: self.inner.decode(caches, token_ids))

@@ -25,6 +25,7 @@ class Op(enum.IntEnum):
     SAVE_CACHE = 10
     LOAD_CACHE = 11
     CHECKPOINT = 12
+    EMBED = 13
 
 
 def broadcast(group: mx.distributed.Group, words: Sequence[int] | None) -> list[int]:
