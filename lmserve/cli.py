@@ -16,7 +16,6 @@ import uvicorn
 
 from lmserve import __version__
 from lmserve.model.gguf_file import ModelLoadError
-from lmserve.serving.speculate import DEFAULT_MODE
 from lmserve.settings import Settings, UsageError, parse_settings
 
 
@@ -160,12 +159,6 @@ def default_max_body(ctx: int) -> int:
     return max(4 * 1024 * 1024, ctx * 64)
 
 
-def speculation_mode(settings: Settings, cheap_verify: bool) -> str:
-    """The `--speculate` mode: draft with `--draft`, else the default where the engine verifies
-    cheaply (`Engine.cheap_verify`), else off (contradictions were refused with the settings)."""
-    return settings.speculate or ("draft" if settings.draft else DEFAULT_MODE if cheap_verify else "off")
-
-
 def load_draft(path: Path, model, kind: str):
     """The draft model on the served model's engine kind; refused unless its tokenizer gives every
     id the served model's bytes (its drafts would be other tokens)."""
@@ -182,17 +175,17 @@ def load_draft(path: Path, model, kind: str):
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn.Server whose exit signal also stops the worker, so open streams end at once with a
-    terminal error event instead of holding shutdown until they finish."""
+    """uvicorn.Server whose exit signal also stops every model's worker, so open streams end at
+    once with a terminal error event instead of holding shutdown until they finish."""
 
-    def __init__(self, config: uvicorn.Config, runtime) -> None:
+    def __init__(self, config: uvicorn.Config, pool) -> None:
         super().__init__(config)
-        self.runtime = runtime
+        self.pool = pool
 
     def handle_exit(self, sig, frame) -> None:
         logging.getLogger("lmserve").info("stopping (%s): open requests end now, new ones get 503",
                                           signal.Signals(sig).name)
-        self.runtime.request_stop()
+        self.pool.request_stop()
         super().handle_exit(sig, frame)
 
 
@@ -227,14 +220,22 @@ def print_out(text: str) -> None:
 
 
 def serve(settings: Settings) -> None:
+    from functools import partial
+
+    from lmserve.config_file import model_aliases
+    from lmserve.core.duration import parse_duration
     from lmserve.engine.select import load_engine
     from lmserve.http.app import server_app
     from lmserve.http.guard import GuardOptions, is_loopback_host
+    from lmserve.http.protocol import header_deadline_protocol
     from lmserve.model.default_model import default_model_path
     from lmserve.model.loader import load_model
     from lmserve.model.resolve import resolve
+    from lmserve.pool.directory import ModelChoice, ModelDirectory
+    from lmserve.pool.open_model import choose_context, open_runtime, speculation_mode
+    from lmserve.pool.residents import ModelPool
     from lmserve.runtime import Runtime, shutting_down
-    from lmserve.serving.ram_guard import ContextChoice, MemoryRefusal, default_context, slot_state_bytes
+    from lmserve.serving.ram_guard import MemoryRefusal
 
     process_start = time.time() - seconds_since_process_start()
     loopback = is_loopback_host(settings.host)
@@ -260,11 +261,10 @@ def serve(settings: Settings) -> None:
     speculate = speculation_mode(settings, engine.cheap_verify)
     draft_engine = load_draft(settings.draft, model, engine.name) if speculate == "draft" else None
     engine.checkpoints_per_cache = settings.kv_checkpoints
-    context = ContextChoice(settings.ctx, "--ctx") if settings.ctx else default_context(
-        model.config.context_length, engine.kv_bytes_per_token(), engine.available_memory,
-        slot_state_bytes(engine))
+    context = choose_context(settings, model.config, engine)
     if warning := context_warning(context.tokens, model.config):
         logging.getLogger("lmserve.context").warning("%s", warning)
+    as_given = settings  # models loaded by name get their own context and speculation
     settings = settings.with_resolved(ctx=context.tokens, speculate=speculate)
     try:
         runtime = Runtime(model, engine, settings, draft_engine)
@@ -275,16 +275,21 @@ def serve(settings: Settings) -> None:
     if runtime.slot_budget.warning:
         logging.getLogger("lmserve.ram").warning("RAM guard: %s", runtime.slot_budget.warning)
     runtime.start()
+    directory = ModelDirectory(ModelChoice(model.model_id, model.path), model_aliases(as_given.config),
+                               as_given.models_dir, default_names=(as_given.model or "",))
+    pool = ModelPool(runtime, directory, partial(open_runtime, as_given), as_given.max_models,
+                     parse_duration(as_given.keep_alive))
     guard = GuardOptions(api_key=settings.api_key, max_conns=settings.conns,
                          max_body=settings.max_body or default_max_body(runtime.ctx),
                          check_host=loopback, allowed_hosts=set(settings.allow_host), cors_origins=set(settings.cors),
                          read_timeout=settings.read_timeout,
                          draining=lambda: runtime.draining, shutdown_error=shutting_down)
-    app = server_app(runtime, guard, settings.cors)
+    app = server_app(pool, guard, settings.cors)
     ready_s = time.time() - process_start
     print(banner(runtime, context.reason, ready_s), flush=True)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3, lifespan="off")
-    server = GracefulServer(config, runtime)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3, lifespan="off",
+                            http=header_deadline_protocol(settings.read_timeout))
+    server = GracefulServer(config, pool)
     # uvicorn re-raises a caught SIGINT/SIGTERM after its graceful shutdown, under the handlers that
     # were installed before it ran; no-op handlers make a requested shutdown end with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -292,7 +297,7 @@ def serve(settings: Settings) -> None:
     try:
         server.run(sockets=[sock])
     finally:
-        runtime.stop()  # --distributed: the followers exit too
+        pool.stop()  # --distributed: the followers exit too
     exit_now(0)
 
 

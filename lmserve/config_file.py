@@ -6,6 +6,14 @@ The file is `--config FILE`, else `$XDG_CONFIG_HOME/lmserve/config.toml` (`~/.co
 exists. Its keys are the long flag names without dashes (`kv-slots`, or `kv_slots`), and `model`;
 a flag on the command line wins over the file. An unknown key, or a value the flag would refuse,
 is an error naming the key and the file (settings.py checks the ranges).
+
+`[models.NAME]` tables name more models a request may ask for (docs/API.md, "Models by name"):
+`model` is a path or a stored model's name, and the table may set that model's own `ctx`,
+`kv-type`, `temp`, `chat-template`, `kv-slots`, `max-tokens` and `reasoning-budget`:
+
+    [models.coder]
+    model = "qwen3-coder:30b"
+    ctx = 32768
 """
 
 from __future__ import annotations
@@ -17,9 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from lmserve.model.gguf_file import ModelLoadError
-from lmserve.settings import KEYS, Declared, Settings, UsageError
+from lmserve.settings import KEYS, Declared, ModelAlias, Settings, UsageError, check
 
 KINDS = {int: "an integer", float: "a number", str: "a string", Path: "a string", list: "a list of strings"}
+MODELS_TABLE = "models"
+# The settings a `[models.NAME]` table may give its model.
+MODEL_KEYS = ("ctx", "kv-type", "temp", "chat-template", "kv-slots", "max-tokens", "reasoning-budget")
 
 
 def default_path() -> Path:
@@ -28,22 +39,59 @@ def default_path() -> Path:
     return Path(base) / "lmserve" / "config.toml"
 
 
-def read(path: Path) -> dict[str, Any]:
-    """The file's values by setting name, each of the setting's type (ranges are checked later)."""
+def _table(path: Path) -> dict[str, Any]:
     try:
-        table = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except OSError as exc:
         raise UsageError(f"cannot read config file {path}: {exc.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def read(path: Path) -> dict[str, Any]:
+    """The file's values by setting name, each of the setting's type (ranges are checked later);
+    its `[models.NAME]` tables are checked here too (`model_aliases` reads them)."""
+    table = _table(path)
+    _aliases(table.get(MODELS_TABLE, {}), path)
     values = {}
     for key, value in table.items():
+        if key == MODELS_TABLE:
+            continue
         item = KEYS.get(key.replace("_", "-")) or KEYS.get(key)
         if item is None:
             raise UsageError(f"unknown key {key!r} in config file {path} "
                              f"(keys are long flag names without dashes: {', '.join(KEYS)})")
         values[item.name] = _typed(item, value, f"{key!r} in config file {path}")
     return values
+
+
+def model_aliases(path: Path | None) -> dict[str, ModelAlias]:
+    """The `[models.NAME]` tables of the config file (none without one)."""
+    if path is None or not path.is_file():
+        return {}
+    return _aliases(_table(path).get(MODELS_TABLE, {}), path)
+
+
+def _aliases(tables: Any, path: Path) -> dict[str, ModelAlias]:
+    if not isinstance(tables, dict):
+        raise UsageError(f"{MODELS_TABLE!r} in config file {path} must be tables: [models.NAME] with model = ...")
+    out = {}
+    for name, table in tables.items():
+        where = f"[models.{name}] in config file {path}"
+        if not isinstance(table, dict) or not isinstance(table.get("model"), str) or not table["model"]:
+            raise UsageError(f"{where} needs model = \"a path or a stored model's name\"")
+        overrides = {}
+        for key, value in table.items():
+            if key == "model":
+                continue
+            if key.replace("_", "-") not in MODEL_KEYS:
+                raise UsageError(f"unknown key {key!r} in {where} (a model's own keys: {', '.join(MODEL_KEYS)})")
+            item = KEYS[key.replace("_", "-")]
+            typed = _typed(item, value, f"{key!r} in {where}")
+            check(item, typed, f"{key!r} in {where}")
+            overrides[item.name] = typed
+        out[name] = ModelAlias(table["model"], overrides)
+    return out
 
 
 def _typed(item: Declared, value: Any, where: str) -> Any:

@@ -95,11 +95,13 @@ class Runtime:
     def start(self) -> None:
         self.engine.on_lost(self.scheduler.abandon)  # a lost rank ends the open requests in-band
         self.scheduler.start()
-        threading.Thread(target=self._warm_up, name="lmserve-warm-up", daemon=True).start()
+        replies, warm = self.replies, self.warm  # not self: an unloaded model must not wait for its warm-up
 
-    def _warm_up(self) -> None:
-        self.replies.warm_up()
-        self.warm.set()
+        def warm_up() -> None:
+            replies.warm_up()
+            warm.set()
+
+        threading.Thread(target=warm_up, name="lmserve-warm-up", daemon=True).start()
 
     def stop(self) -> None:
         """Stop the worker, then let the engine go (a distributed one: its followers exit)."""
@@ -131,6 +133,15 @@ class Runtime:
         as served), against the memory available now (GET /fit)."""
         return fit_report(self.engine.weight_bytes, self.engine.kv_bytes_per_token(), slot_state_bytes(self.engine),
                           ctx or self.ctx, slots or self.slot_budget.slots, self.engine.available_memory)
+
+    @property
+    def busy(self) -> bool:
+        """A request is queued, admitted, prefilling or decoding: the model must stay loaded."""
+        return self.scheduler.busy
+
+    def footprint(self) -> int:
+        """Bytes of the weights and of every KV slot at full context: the most this model holds."""
+        return self.engine.weight_bytes + self.slot_budget.slots * self.slot_budget.per_slot
 
     @property
     def draining(self) -> bool:

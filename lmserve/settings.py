@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lmserve import __version__
+from lmserve.core.duration import parse_duration
 from lmserve.engine.kv_types import KV_TYPE_NAMES
 from lmserve.serving.scheduler import PREFILL_CHUNK
 from lmserve.serving.speculate import DEFAULT_MODE, MODES
@@ -30,6 +31,15 @@ BYTES_PER_CONTEXT_TOKEN = 16  # the least body room a context token needs (text 
 
 class UsageError(Exception):
     """A setting the server cannot run with: one line for the user, exit status 2."""
+
+
+@dataclass(frozen=True)
+class ModelAlias:
+    """A config file's `[models.NAME]` table: the model it serves (a path or a stored model's name)
+    and that model's own settings, by field name."""
+
+    target: str
+    overrides: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,15 @@ class Settings:
     ctx: int | None = setting(
         None, "context size in tokens (default: the model's trained context when one full KV slot of it fits "
               "in memory, else the largest multiple of 4096 that fits)", low=16, high=1 << 24)
+    models_dir: Path | None = setting(
+        None, "also serve the GGUF files in this folder, each by its file name without .gguf", metavar="DIR",
+        must_be="dir")
+    max_models: int = setting(
+        0, "models resident at once; loading another unloads the least recently used idle one (default 0: as "
+           "many as fit in memory)", low=0, metavar="N")
+    keep_alive: str = setting(
+        "5m", "unload a model loaded on demand after it has been idle this long: 30s, 5m, 1h, 0 (at once), -1 "
+              "(never); the model the server started with stays (default 5m, as Ollama's)", metavar="DURATION")
     engine: str = setting("auto", "auto: MLX when it has a GPU, else the NumPy engine",
                           choices=("auto", "cpu", "mlx"))
     distributed: str | None = setting(
@@ -114,7 +133,8 @@ class Settings:
            "resume from (default 8; each costs one recurrent state)", low=1, high=256, metavar="N")
     conns: int = setting(32, "concurrent connections; beyond, 503 (default 32)", low=1)
     read_timeout: float = setting(
-        30.0, "the most seconds a request body may stall between two of its parts; beyond, 408 (default 30)",
+        30.0, "the most seconds a request's headers may take, and its body between two of its parts; "
+              "beyond, 408 (default 30)",
         above=0, high=3600, metavar="SECONDS")
     api_key: str | None = setting(
         None, "require this key (Authorization: Bearer or x-api-key); env LMSERVE_API_KEY")
@@ -317,6 +337,10 @@ def _cross_checked(settings: Settings, given: set[str], where: typing.Callable[[
         if settings.max_body < need:
             raise UsageError(f"{where('max_body')} {settings.max_body} cannot hold a prompt of {where('ctx')} "
                              f"{settings.ctx} tokens: at least {need} bytes ({BYTES_PER_CONTEXT_TOKEN} per token)")
+    try:
+        parse_duration(settings.keep_alive)
+    except ValueError as exc:
+        raise UsageError(f"{where('keep_alive')} {exc}") from None
     if settings.distributed and settings.engine == "cpu":
         raise UsageError(f"{where('distributed')} runs on the MLX engine (not {where('engine')} cpu)")
     if settings.distributed and (settings.draft is not None or settings.kv_cache_dir is not None):

@@ -12,6 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.engine_proxies import Rule
@@ -63,11 +64,20 @@ def _base_env(home: Path) -> dict[str, str]:
             "TERM": "dumb", "NO_COLOR": "1"}
 
 
-def run_claude(server: Server, prompt: str, cwd: Path, home: Path, *args: str, timeout: float = 600) -> Run:
-    """`claude -p PROMPT ARGS` with the server as its Anthropic endpoint."""
+def served_model(server: Server) -> str:
+    """The startup model's id, as a user reads it from GET /v1/models to configure a client."""
+    return httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def run_claude(server: Server, prompt: str, cwd: Path, home: Path, *args: str, timeout: float = 600,
+               main_model: str | None = None, small_model: str | None = None) -> Run:
+    """`claude -p PROMPT ARGS` with the server as its Anthropic endpoint; its main model (Sonnet,
+    Opus) and its small fast one (Haiku: titles, summaries) are the served model unless named."""
+    main = main_model or served_model(server)
+    small = small_model or main
     env = {**_base_env(home), "ANTHROPIC_BASE_URL": server.base_url, "ANTHROPIC_API_KEY": "local",
-           "ANTHROPIC_MODEL": "local", "ANTHROPIC_DEFAULT_HAIKU_MODEL": "local",
-           "ANTHROPIC_DEFAULT_SONNET_MODEL": "local", "ANTHROPIC_DEFAULT_OPUS_MODEL": "local",
+           "ANTHROPIC_MODEL": main, "ANTHROPIC_DEFAULT_HAIKU_MODEL": small,
+           "ANTHROPIC_DEFAULT_SONNET_MODEL": main, "ANTHROPIC_DEFAULT_OPUS_MODEL": main,
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
     return _run([str(agent_binary("claude")), "-p", prompt, *args], env, cwd, timeout)
 
@@ -77,7 +87,7 @@ def run_codex(server: Server, prompt: str, cwd: Path, home: Path, *args: str, ti
     env = {**_base_env(home), "CODEX_HOME": str(home / "codex"), "LMSERVE_KEY": "local"}
     (home / "codex").mkdir(exist_ok=True)
     (home / "codex" / "config.toml").write_text(
-        'model = "local"\nmodel_provider = "lmserve"\n\n[model_providers.lmserve]\nname = "lmserve"\n'
+        f'model = "{served_model(server)}"\nmodel_provider = "lmserve"\n\n[model_providers.lmserve]\nname = "lmserve"\n'
         f'base_url = "{server.base_url}/v1"\nwire_api = "responses"\nenv_key = "LMSERVE_KEY"\n')
     # No sandbox: Codex's own (Landlock, seccomp) is not available in every container CI runs in.
     argv = [str(agent_binary("codex")), "exec", "--skip-git-repo-check", "-s", "danger-full-access", *args, prompt]

@@ -1,6 +1,6 @@
 """lmserve with test hooks that production code has no place for, started by tests/server_util.py:
 
-    python -m tests.hooked_server [--fault-marker MARKER] [--available-memory BYTES]
+    python -m tests.hooked_server [--fault-marker MARKER] [--available-memory BYTES] [--memory-limit BYTES]
                                   [--script FILE] [--record FILE] [--drafts-always-pay] -- LMSERVE ARGS
 
 The hooks are installed here, around the real code, before `lmserve.cli.main(LMSERVE ARGS)` runs:
@@ -10,6 +10,9 @@ The hooks are installed here, around the real code, before `lmserve.cli.main(LMS
   alone: the sequences decoded in the same step go on.
 - `--available-memory`: psutil reports that many bytes available, so the RAM guard's arithmetic
   (and whether it clamps) is the same on every machine.
+- `--memory-limit`: psutil reports that many bytes available less the weights of every engine
+  still alive (a model's memory is taken while it is loaded and given back once it is unloaded
+  and collected), so a model pool's evictions are the same on every machine.
 - `--script`: the engine is wrapped in `ScriptedEngine`, which makes the model say what the JSON
   `Script` in FILE says (tests/engine_proxies.py).
 - `--record`: every request's method, path, headers and JSON body is appended to FILE as one JSON
@@ -24,6 +27,7 @@ import argparse
 import json
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +40,7 @@ class Hooks:
 
     fault_marker: str | None = None
     available_memory: int | None = None  # bytes
+    memory_limit: int | None = None  # bytes, less the weights of the engines alive
     script: Path | None = None
     record: Path | None = None
     drafts_always_pay: bool = False
@@ -43,7 +48,8 @@ class Hooks:
     def argv(self) -> list[str]:
         out = ["--drafts-always-pay"] if self.drafts_always_pay else []
         for flag, value in (("--fault-marker", self.fault_marker), ("--available-memory", self.available_memory),
-                            ("--script", self.script), ("--record", self.record)):
+                            ("--memory-limit", self.memory_limit), ("--script", self.script),
+                            ("--record", self.record)):
             if value is not None:
                 out += [flag, str(value)]
         return out
@@ -94,7 +100,13 @@ def install(hooks: Hooks) -> None:
 
         real, available = psutil.virtual_memory, hooks.available_memory
         psutil.virtual_memory = lambda: real()._replace(available=available)
-    if hooks.fault_marker is not None or hooks.script is not None:
+    alive: weakref.WeakSet = weakref.WeakSet()
+    if hooks.memory_limit is not None:
+        import psutil
+
+        real, limit = psutil.virtual_memory, hooks.memory_limit
+        psutil.virtual_memory = lambda: real()._replace(available=limit - sum(e.weight_bytes for e in list(alive)))
+    if hooks.fault_marker is not None or hooks.script is not None or hooks.memory_limit is not None:
         from lmserve.engine import select
         from lmserve.model.tokenizer import Tokenizer
         from tests.engine_proxies import FaultyEngine, Script, ScriptedEngine
@@ -103,6 +115,7 @@ def install(hooks: Hooks) -> None:
 
         def load_engine(kind, gguf, config, progress=None, kv_type="auto"):
             engine, tokenizer = real_load(kind, gguf, config, progress, kv_type), Tokenizer.from_gguf(gguf)
+            alive.add(engine)
             if hooks.script is not None:
                 engine = ScriptedEngine(engine, tokenizer, Script.load(hooks.script))
             if hooks.fault_marker is not None:
@@ -126,11 +139,13 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.hooked_server")
     parser.add_argument("--fault-marker", default=None)
     parser.add_argument("--available-memory", type=int, default=None)
+    parser.add_argument("--memory-limit", type=int, default=None)
     parser.add_argument("--script", type=Path, default=None)
     parser.add_argument("--record", type=Path, default=None)
     parser.add_argument("--drafts-always-pay", action="store_true")
     args = parser.parse_args(ours)
-    install(Hooks(args.fault_marker, args.available_memory, args.script, args.record, args.drafts_always_pay))
+    install(Hooks(args.fault_marker, args.available_memory, args.memory_limit, args.script, args.record,
+                  args.drafts_always_pay))
     from lmserve.cli import main as lmserve_main
 
     lmserve_main(rest)

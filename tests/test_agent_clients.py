@@ -13,6 +13,7 @@ The clients come from scripts/install_agents.sh (.ci/run runs it); absent, the t
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -157,3 +158,32 @@ def test_codex_unscripted_on_smollm2(smollm2_long_context: Server, tmp_path: Pat
     assert [e for e in events if e["type"] == "turn.completed"]
     assert not [e for e in events if e["type"] in ("error", "turn.failed")], run.stdout
     assert not [word for word in PROTOCOL_TROUBLE if word in run.stderr], run.stderr
+
+
+def test_claude_code_sessions_on_two_models_of_one_server(tmp_path: Path):
+    """Claude Code set up as users do with two models: its main model (ANTHROPIC_MODEL, also Sonnet's
+    and Opus's name) the startup model, its small fast one (ANTHROPIC_DEFAULT_HAIKU_MODEL) another of
+    --models-dir; then a session whose main model is that other one. Every request is served by the
+    model it named (the access log's `model`), on one server, and both sessions finish their Read
+    round trip. (In `-p` mode this version sends its requests to the main model only.)"""
+    (tmp_path / "agents").mkdir()
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(HYBRID_MODEL, models / "small.gguf")  # a file of its own: a second resident model
+    setup = Scripted(tmp_path / "agents", thought="I will read the note.\n</think>\n\n")
+    hooks = Hooks(script=setup.script_path, record=setup.record)
+    with start_server(str(HYBRID_MODEL), "--engine", "cpu", "--ctx", SCRIPTED_CTX, "--models-dir", str(models),
+                      hooks=hooks) as server:
+        main = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
+        for main_model in (main, "small"):
+            run = run_claude(server, "READ-THE-NOTES: what does note1.txt say?", setup.claude_dir,
+                             tmp_path / f"home-{main_model}", "--output-format", "json", main_model=main_model,
+                             small_model="small")
+            assert run.returncode == 0, run.stderr + run.stdout
+            assert json.loads(run.stdout)["result"] == CLAUDE_ANSWER
+        sent = [body["model"] for body in recorded(setup.record, "/v1/messages")]
+        assert main in sent and "small" in sent and set(sent) == {main, "small"}
+        served = [entry["model"] for entry in access_entries(server, "/messages")]
+        assert served == sent  # in order: each request answered by the model it asked for
+        loaded = {m["id"] for m in httpx.get(server.base_url + "/models/status").json()["models"]}
+        assert loaded == {main, "small"}

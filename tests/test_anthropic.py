@@ -41,7 +41,7 @@ def test_messages_create(client):
 
 
 def test_messages_stream_with_text_stream_and_final_message(client):
-    with client.messages.stream(model="x", max_tokens=64, extra_body=GREEDY, messages=CAPITAL) as stream:
+    with client.messages.stream(model="claude-haiku-4-5", max_tokens=64, extra_body=GREEDY, messages=CAPITAL) as stream:
         pieces = list(stream.text_stream)
         final = stream.get_final_message()
     assert "".join(pieces) == "The capital of France is Paris."
@@ -50,11 +50,11 @@ def test_messages_stream_with_text_stream_and_final_message(client):
 
 
 def test_stop_sequence_attribution(client):
-    msg = client.messages.create(model="x", max_tokens=64, extra_body=GREEDY, messages=CAPITAL,
+    msg = client.messages.create(model="claude-haiku-4-5", max_tokens=64, extra_body=GREEDY, messages=CAPITAL,
                                  stop_sequences=["Paris", "Berlin"])
     assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "Paris"
     assert msg.content[0].text == "The capital of France is "
-    with client.messages.stream(model="x", max_tokens=64, extra_body=GREEDY, messages=CAPITAL,
+    with client.messages.stream(model="claude-haiku-4-5", max_tokens=64, extra_body=GREEDY, messages=CAPITAL,
                                 stop_sequences=["France is"]) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
@@ -62,25 +62,25 @@ def test_stop_sequence_attribution(client):
 
 
 def test_max_tokens_stop_reason_and_clamping(client):
-    msg = client.messages.create(model="x", max_tokens=2, extra_body=GREEDY, messages=CAPITAL)
+    msg = client.messages.create(model="claude-haiku-4-5", max_tokens=2, extra_body=GREEDY, messages=CAPITAL)
     assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 2
     # Claude Code asks for 64000 output tokens: clamped to the context, never rejected.
-    msg = client.messages.create(model="x", max_tokens=64000, extra_body=GREEDY, messages=CAPITAL,
+    msg = client.messages.create(model="claude-haiku-4-5", max_tokens=64000, extra_body=GREEDY, messages=CAPITAL,
                                  timeout=120)  # the SDK insists on a timeout for such budgets
     assert msg.stop_reason == "end_turn"
 
 
 def test_count_tokens_matches_generation_usage(client):
-    counted = client.messages.count_tokens(model="x", messages=CAPITAL)
+    counted = client.messages.count_tokens(model="claude-haiku-4-5", messages=CAPITAL)
     assert counted.input_tokens == 37
-    with_system = client.messages.count_tokens(model="x", messages=CAPITAL, system="Be brief.")
+    with_system = client.messages.count_tokens(model="claude-haiku-4-5", messages=CAPITAL, system="Be brief.")
     assert with_system.input_tokens != counted.input_tokens
 
 
 def test_missing_max_tokens_is_bad_request(smollm2_server, client):
     # The SDK's typed create() refuses to send without max_tokens, so send through its raw post().
     with pytest.raises(anthropic.BadRequestError) as info:
-        client.post("/v1/messages", body={"model": "x", "messages": CAPITAL}, cast_to=object)
+        client.post("/v1/messages", body={"model": "claude-haiku-4-5", "messages": CAPITAL}, cast_to=object)
     assert "max_tokens" in str(info.value)
     r = httpx.post(smollm2_server.base_url + "/v1/messages", json={"messages": CAPITAL})
     assert r.status_code == 400

@@ -159,7 +159,7 @@ def test_health_answers_while_huge_bodies_are_parsed_and_counted(server) -> None
     froze the event loop for 16 s) while /health is probed: every probe answers promptly. The
     bound is loose against a loaded CI machine; docs/PERFORMANCE.md has the measured p99."""
     text = "lorem ipsum dolor sit amet " * 110_000  # 3 MB
-    body = {"model": "x", "messages": [{"role": "user", "content": text}]}
+    body = {"model": "claude-haiku-4-5", "messages": [{"role": "user", "content": text}]}
     latencies: list[float] = []
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         counts = [pool.submit(httpx.post, server.base_url + "/v1/messages/count_tokens", json=body, timeout=300)
@@ -194,3 +194,33 @@ def test_a_recursive_grammar_with_a_way_out_is_served(server) -> None:
     assert r.status_code == 200
     text = r.json()["choices"][0]["message"]["content"]
     assert set(text) <= set("()x") and text
+
+
+def test_headers_that_never_end_are_a_408_and_the_socket_is_closed(impatient) -> None:
+    """A slowloris sends a request line and some headers, never the blank line: within about
+    --read-timeout the server answers 408 and closes, and serves others meanwhile."""
+    host, port = impatient.base_url.removeprefix("http://").split(":")
+    slow = [socket.create_connection((host, int(port)), timeout=30) for _ in range(8)]
+    for sock in slow:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: 1")
+    silent = socket.create_connection((host, int(port)), timeout=30)  # sends nothing at all
+    assert httpx.get(impatient.base_url + "/health").status_code == 200
+    started = time.monotonic()
+    for sock in slow:
+        reply = sock.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408 "), reply
+        assert sock.recv(4096) == b""  # closed
+        sock.close()
+    assert silent.recv(4096) == b""  # closed without a reply
+    silent.close()
+    assert time.monotonic() - started < 10
+
+
+def test_a_kept_alive_connection_gets_the_header_deadline_for_its_next_request(impatient) -> None:
+    host, port = impatient.base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the blank line never comes
+    assert sock.recv(4096).startswith(b"HTTP/1.1 408 ")
+    sock.close()

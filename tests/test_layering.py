@@ -13,7 +13,7 @@ pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lmserve"
 # Top to bottom: each layer may import only from the layers after it.
-LAYERS = ["cli|config_file", "http", "runtime", "settings", "serving", "chat", "engine_cpu|engine_mlx|engine", "core", "model"]
+LAYERS = ["cli|config_file", "http", "pool", "runtime", "settings", "serving", "chat", "engine_cpu|engine_mlx|engine", "core", "model"]
 # What HTTP may use of the layers beneath the runtime: the handle and the events it carries.
 HTTP_MAY_USE = {"lmserve.serving.handle"}
 

@@ -402,8 +402,9 @@ def test_a_service_serves_its_configured_model_by_name(home: Path) -> None:
     config.write_text(f'model = "hf.co/org/repo:Q4_K_M"\nengine = "cpu"\nctx = 256\nchat-template = "{template}"\n')
     env = {"HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "OLLAMA_MODELS": str(home / ".ollama" / "models")}
     with start_server(env=env) as server:
-        models = httpx.get(server.base_url + "/v1/models", timeout=30).json()
-        assert [m["id"] for m in models["data"]] == ["hf.co/org/repo:Q4_K_M"]
+        models = httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"]
+        assert models[0]["id"] == "hf.co/org/repo:Q4_K_M" and models[0]["loaded"] is True
+        assert all(not m["loaded"] for m in models[1:])  # the other stored models, loadable by name
         reply = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8, "temperature": 0}).json()
         assert reply["choices"][0]["message"]["role"] == "assistant"

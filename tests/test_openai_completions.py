@@ -17,14 +17,14 @@ def client(smollm2_server) -> openai.OpenAI:
 
 
 def test_text_prompt_token_prompt_and_several_prompts(client, smollm2_server):
-    done = client.completions.create(model="x", prompt=PROMPT, max_tokens=6, temperature=0)
+    done = client.completions.create(model="gpt-4o-mini", prompt=PROMPT, max_tokens=6, temperature=0)
     validate("CreateCompletionResponse", done.model_dump(mode="json", exclude_unset=True))
     text = done.choices[0].text
     assert text.strip() and done.choices[0].finish_reason in ("stop", "length")
     ids = httpx.post(smollm2_server.base_url + "/tokenize", json={"content": PROMPT}).json()["tokens"]
-    by_ids = client.completions.create(model="x", prompt=ids, max_tokens=6, temperature=0)
+    by_ids = client.completions.create(model="gpt-4o-mini", prompt=ids, max_tokens=6, temperature=0)
     assert by_ids.choices[0].text == text and by_ids.usage.prompt_tokens == len(ids)
-    several = client.completions.create(model="x", prompt=[PROMPT, "One, two, three,"], max_tokens=6,
+    several = client.completions.create(model="gpt-4o-mini", prompt=[PROMPT, "One, two, three,"], max_tokens=6,
                                         temperature=0)
     assert [c.index for c in several.choices] == [0, 1]
     assert several.choices[0].text == text
@@ -33,8 +33,8 @@ def test_text_prompt_token_prompt_and_several_prompts(client, smollm2_server):
 
 
 def test_stream_matches_non_stream_and_logprobs(client):
-    whole = client.completions.create(model="x", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
-    chunks = list(client.completions.create(model="x", prompt=PROMPT, max_tokens=8, temperature=0, stream=True))
+    whole = client.completions.create(model="gpt-4o-mini", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
+    chunks = list(client.completions.create(model="gpt-4o-mini", prompt=PROMPT, max_tokens=8, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     lp = whole.choices[0].logprobs

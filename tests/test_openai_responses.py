@@ -68,7 +68,7 @@ SKELETON = ["response.created", "response.in_progress", "response.output_item.ad
 # -- end to end ------------------------------------------------------------------------------------
 
 def test_create_answers_paris(client):
-    raw = client.responses.with_raw_response.create(model="local", input=CAPITAL, temperature=0)
+    raw = client.responses.with_raw_response.create(model="gpt-4o-mini", input=CAPITAL, temperature=0)
     validate("Response", raw.http_response.json())
     response = raw.parse()
     assert response.status == "completed" and response.output_text == PARIS
@@ -81,7 +81,7 @@ def test_create_answers_paris(client):
 
 
 def test_sdk_stream_helper_and_raw_event_skeleton(client, smollm2_server):
-    with client.responses.stream(model="local", input=CAPITAL, temperature=0) as stream:
+    with client.responses.stream(model="gpt-4o-mini", input=CAPITAL, temperature=0) as stream:
         typed = list(stream)
         final = stream.get_final_response()
     assert final.status == "completed" and final.output_text == PARIS
@@ -94,7 +94,7 @@ def test_sdk_stream_helper_and_raw_event_skeleton(client, smollm2_server):
 
 
 def test_max_output_tokens_gives_incomplete(client, smollm2_server):
-    raw = client.responses.with_raw_response.create(model="local", input=CAPITAL, temperature=0,
+    raw = client.responses.with_raw_response.create(model="gpt-4o-mini", input=CAPITAL, temperature=0,
                                                     max_output_tokens=3)
     validate("Response", raw.http_response.json())
     response = raw.parse()
@@ -107,8 +107,8 @@ def test_max_output_tokens_gives_incomplete(client, smollm2_server):
 
 
 def test_previous_response_id_continues_the_conversation(client, smollm2_server):
-    first = client.responses.create(model="local", input=CAPITAL, temperature=0)
-    second = client.responses.create(model="local", input="And of Germany?", previous_response_id=first.id,
+    first = client.responses.create(model="gpt-4o-mini", input=CAPITAL, temperature=0)
+    second = client.responses.create(model="gpt-4o-mini", input="And of Germany?", previous_response_id=first.id,
                                      instructions="Answer in one sentence.", temperature=0, max_output_tokens=16)
     assert second.previous_response_id == first.id
     # The same conversation through Chat Completions: instructions first, then the stored turn.
@@ -122,9 +122,9 @@ def test_previous_response_id_continues_the_conversation(client, smollm2_server)
 
 
 def test_store_false_keeps_nothing(client):
-    kept_nothing = client.responses.create(model="local", input="Hi", store=False, max_output_tokens=2)
+    kept_nothing = client.responses.create(model="gpt-4o-mini", input="Hi", store=False, max_output_tokens=2)
     with pytest.raises(openai.NotFoundError) as exc:
-        client.responses.create(model="local", input="Hi", previous_response_id=kept_nothing.id)
+        client.responses.create(model="gpt-4o-mini", input="Hi", previous_response_id=kept_nothing.id)
     error = exc.value.response.json()["error"]
     assert error["param"] == "previous_response_id" and kept_nothing.id in error["message"]
     assert error["type"] == "not_found_error" and error["code"] == "previous_response_not_found"
@@ -192,7 +192,13 @@ def test_codex_capture_replays(smollm2_server, smollm2_long_context):
     (rendered into the prompt) it is ~9k tokens: the default 8192-token server refuses it with a
     clear 400 stating both numbers, and a server with a larger context streams it to
     response.completed."""
+    # Captured with `model = "local"`, which the docs then advised: no model has that name, so it is
+    # a 404 now; the replay names a hosted model, which the startup model serves.
     r = httpx.post(smollm2_server.base_url + CODEX["path"], content=json.dumps(CODEX["body"]),
+                   headers=CODEX["headers"], timeout=120)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    captured = {**CODEX["body"], "model": "gpt-5-codex"}
+    r = httpx.post(smollm2_server.base_url + CODEX["path"], content=json.dumps(captured),
                    headers=CODEX["headers"], timeout=120)
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
     message = r.json()["error"]["message"]
@@ -201,7 +207,7 @@ def test_codex_capture_replays(smollm2_server, smollm2_long_context):
     # temperature 0 is the one change to the captured body: Codex leaves sampling at the default,
     # and a sampled reply from this small model may ramble for thousands of tokens; the greedy
     # one is short, so the test stays fast and deterministic.
-    body = {**CODEX["body"], "temperature": 0}
+    body = {**captured, "temperature": 0}
     events = stream_events(smollm2_long_context.base_url + CODEX["path"], body, CODEX["headers"])
     assert skeleton(events)[:2] == SKELETON[:2] and events[-1]["type"] == "response.completed"
     final = events[-1]["response"]

@@ -16,14 +16,14 @@ def client(smollm2_server) -> openai.OpenAI:
 
 
 def test_create(client):
-    done = client.chat.completions.create(model="anything", messages=CAPITAL, temperature=0)
+    done = client.chat.completions.create(model="gpt-4o-mini", messages=CAPITAL, temperature=0)
     assert done.choices[0].message.content == "The capital of France is Paris."
     assert done.choices[0].finish_reason == "stop"
     assert done.usage.prompt_tokens == 37
 
 
 def test_stream_true(client):
-    chunks = list(client.chat.completions.create(model="x", messages=CAPITAL, temperature=0, stream=True,
+    chunks = list(client.chat.completions.create(model="gpt-4o-mini", messages=CAPITAL, temperature=0, stream=True,
                                                  stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "The capital of France is Paris."
@@ -31,7 +31,7 @@ def test_stream_true(client):
 
 
 def test_stream_helper_final_completion(client):
-    with client.chat.completions.stream(model="x", messages=CAPITAL, temperature=0) as stream:
+    with client.chat.completions.stream(model="gpt-4o-mini", messages=CAPITAL, temperature=0) as stream:
         for _ in stream:
             pass
         final = stream.get_final_completion()
@@ -39,7 +39,7 @@ def test_stream_helper_final_completion(client):
 
 
 def test_logprobs_non_stream_and_stream(client):
-    done = client.chat.completions.create(model="x", messages=CAPITAL, temperature=0, max_tokens=4,
+    done = client.chat.completions.create(model="gpt-4o-mini", messages=CAPITAL, temperature=0, max_tokens=4,
                                           logprobs=True, top_logprobs=3)
     content = done.choices[0].logprobs.content
     assert [t.token for t in content] == ["The", " capital", " of", " France"]
@@ -48,7 +48,7 @@ def test_logprobs_non_stream_and_stream(client):
         assert t.top_logprobs[0].token == t.token  # greedy: the chosen token is the most likely
         assert bytes(t.bytes).decode() == t.token
     assert sum(math.exp(t.logprob) for t in content[0].top_logprobs) <= 1.0 + 1e-6
-    chunks = list(client.chat.completions.create(model="x", messages=CAPITAL, temperature=0, max_tokens=4,
+    chunks = list(client.chat.completions.create(model="gpt-4o-mini", messages=CAPITAL, temperature=0, max_tokens=4,
                                                  logprobs=True, top_logprobs=2, stream=True))
     streamed = [t.token for c in chunks if c.choices and c.choices[0].logprobs
                 for t in c.choices[0].logprobs.content]
@@ -56,7 +56,7 @@ def test_logprobs_non_stream_and_stream(client):
 
 
 def test_seeded_sampling_is_reproducible(client):
-    kwargs = {"model": "x", "messages": CAPITAL, "temperature": 1.2, "max_tokens": 12, "seed": 1234}
+    kwargs = {"model": "gpt-4o-mini", "messages": CAPITAL, "temperature": 1.2, "max_tokens": 12, "seed": 1234}
     a = client.chat.completions.create(**kwargs).choices[0].message.content
     b = client.chat.completions.create(**kwargs).choices[0].message.content
     assert a == b
@@ -64,6 +64,6 @@ def test_seeded_sampling_is_reproducible(client):
 
 def test_n_greater_than_one_is_bad_request(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="x", messages=CAPITAL, n=2)
+        client.chat.completions.create(model="gpt-4o-mini", messages=CAPITAL, n=2)
     assert info.value.body["param"] == "n"
 

@@ -17,13 +17,14 @@ import httpx
 import numpy as np
 import pytest
 
-from lmserve.cli import load_draft, speculation_mode
+from lmserve.cli import load_draft
 from lmserve.core.events import Event, Failed, Finished, TextDelta
 from lmserve.core.types import ChatRequest, Message, OutputFormat, SamplingParams
 from lmserve.engine.protocol import Engine
 from lmserve.engine.select import load_engine
 from lmserve.model.default_model import default_model_path
 from lmserve.model.loader import LoadedModel, load_model
+from lmserve.pool.open_model import speculation_mode
 from lmserve.runtime import Runtime
 from lmserve.serving import speculate
 from lmserve.serving.sampling import Sampler

@@ -105,14 +105,14 @@ def claude(smollm2_server) -> anthropic.Anthropic:
 
 def test_chat_round_trip(oai: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": QUESTION}]
-    first = oai.chat.completions.create(model="x", messages=messages, tools=CHAT_TOOLS, tool_choice="required",
+    first = oai.chat.completions.create(model="gpt-4o-mini", messages=messages, tools=CHAT_TOOLS, tool_choice="required",
                                         max_tokens=60, temperature=0)
     assert first.choices[0].finish_reason == "tool_calls"
     call = first.choices[0].message.tool_calls[0]
     check_call(call.function.name, call.function.arguments)
     messages += [first.choices[0].message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
-    answer = oai.chat.completions.create(model="x", messages=messages, tools=CHAT_TOOLS, max_tokens=24,
+    answer = oai.chat.completions.create(model="gpt-4o-mini", messages=messages, tools=CHAT_TOOLS, max_tokens=24,
                                          temperature=0)
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
     assert answer.choices[0].finish_reason in ("stop", "length")
@@ -120,13 +120,13 @@ def test_chat_round_trip(oai: openai.OpenAI) -> None:
 
 
 def test_responses_round_trip(oai: openai.OpenAI) -> None:
-    first = oai.responses.create(model="x", input=QUESTION, tools=RESPONSES_TOOLS,
+    first = oai.responses.create(model="gpt-4o-mini", input=QUESTION, tools=RESPONSES_TOOLS,
                                  tool_choice={"type": "function", "name": "get_weather"},
                                  max_output_tokens=60, temperature=0)
     (call,) = first.output
     assert call.type == "function_call" and call.name == "get_weather"
     check_call(call.name, call.arguments)
-    answer = oai.responses.create(model="x", previous_response_id=first.id, tools=RESPONSES_TOOLS,
+    answer = oai.responses.create(model="gpt-4o-mini", previous_response_id=first.id, tools=RESPONSES_TOOLS,
                                   input=[{"type": "function_call_output", "call_id": call.call_id, "output": RESULT}],
                                   max_output_tokens=24, temperature=0)
     assert answer.output_text and all(item.type == "message" for item in answer.output)
@@ -135,7 +135,7 @@ def test_responses_round_trip(oai: openai.OpenAI) -> None:
 
 def test_anthropic_round_trip(claude: anthropic.Anthropic) -> None:
     messages = [{"role": "user", "content": QUESTION}]
-    with claude.messages.stream(model="x", max_tokens=60, messages=messages, tools=ANTHROPIC_TOOLS,
+    with claude.messages.stream(model="claude-haiku-4-5", max_tokens=60, messages=messages, tools=ANTHROPIC_TOOLS,
                                 tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY) as stream:
         first = stream.get_final_message()
     (use,) = first.content
@@ -143,7 +143,7 @@ def test_anthropic_round_trip(claude: anthropic.Anthropic) -> None:
     check_call(use.name, use.input)
     messages += [{"role": "assistant", "content": first.content},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}]
-    answer = claude.messages.create(model="x", max_tokens=24, messages=messages, tools=ANTHROPIC_TOOLS,
+    answer = claude.messages.create(model="claude-haiku-4-5", max_tokens=24, messages=messages, tools=ANTHROPIC_TOOLS,
                                     extra_body=GREEDY)
     assert answer.content[0].type == "text" and answer.content[0].text
     assert answer.stop_reason in ("end_turn", "max_tokens")

@@ -34,10 +34,13 @@ RECORD_KEY = "lmserve.record"
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 ROUTES = ("/chat/completions", "/completions", "/responses", "/messages/count_tokens", "/messages", "/models",
           "/health", "/metrics", "/tokenize", "/detokenize")
+ADMIN_ROUTES = ("/models/status", "/models/load", "/models/unload")
 
 
 def route_label(path: str) -> str:
     """A bounded set of route names for metrics: unknown paths share one label."""
+    if path in ADMIN_ROUTES:
+        return path
     bare = path.removeprefix("/v1")
     if bare.startswith("/models/"):
         return "/models/{id}"
@@ -57,6 +60,7 @@ class RequestRecord:
     last_output: float | None = None
     usage: Usage | None = None
     outcome: str | None = None  # of the generation: "ok", "error" or "client_closed"
+    model: str | None = None  # the id of the model that served it
 
     def observe(self, event: Event) -> None:
         now = time.perf_counter()
@@ -113,7 +117,7 @@ class AccessLog:
             level = logging.DEBUG if route == "/health" else logging.INFO  # probes would drown the log
             log.log(level, json.dumps({
                 "request_id": request_id, "method": scope.get("method"), "route": route, "status": status,
-                "outcome": record.outcome,
+                "model": record.model, "outcome": record.outcome,
                 "prompt_tokens": usage.prompt_tokens if usage else None,
                 "completion_tokens": usage.completion_tokens if usage else None,
                 "cached_tokens": usage.cached_tokens if usage else None,

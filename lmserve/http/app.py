@@ -1,11 +1,13 @@
-"""The Litestar application: routes for every dialect over one Runtime.
+"""The Litestar application: routes for every dialect over the model pool's runtimes.
 
-Route handlers only parse, submit and render; each route also answers without the /v1 prefix.
+Route handlers only parse, submit and render; each route also answers without the /v1 prefix. A
+request's `model` picks the runtime (`ModelPool.use`, loading the model when it is not resident).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,8 @@ from lmserve.http.openai_responses import ResponseRenderer, parse_responses
 from lmserve.http.response_store import ResponseStore
 from lmserve.http.responses_schema import ResponsesBody
 from lmserve.http.structs import NonNegative, decode
+from lmserve.pool.directory import ModelChoice, file_header
+from lmserve.pool.residents import ModelPool
 from lmserve.runtime import Runtime
 from lmserve.serving.handle import Observer, RequestHandle
 
@@ -62,24 +66,47 @@ class DetokenizeBody(Struct):
     tokens: list[NonNegative] = []
 
 
+class ModelBody(Struct):
+    model: str
+
+
 def both(path: str) -> list[str]:
     """A /v1 route and its prefix-less twin."""
     return [path, path.removeprefix("/v1")]
 
 
-def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | None = None) -> Litestar:
+def requested_model(body: dict[str, Any]) -> str | None:
+    """The body's `model`: which model serves it (None: the startup model)."""
+    name = body.get("model")
+    if name is not None and not isinstance(name, str):
+        raise invalid("model", "must be a string naming a model (GET /v1/models lists them)")
+    return name or None
+
+
+def create_app(pool: ModelPool, metrics: Metrics, cors_origins: list[str] | None = None) -> Litestar:
+    runtime = pool.default  # the startup model: /fit, /tokenize, the chat page, /health's top level
     model = runtime.model
 
-    def model_card() -> dict[str, Any]:
+    def loaded_card(served: Runtime, name: str | None = None) -> dict[str, Any]:
         return {
-            "id": model.model_id,
+            "id": name or served.model.model_id,
             "object": "model",
-            "created": int(runtime.started_at),
+            "created": int(served.started_at),
             "owned_by": "lmserve",
-            "context_window": runtime.ctx,
-            "max_model_len": runtime.ctx,
-            "meta": runtime.model_info(),
+            "loaded": True,
+            "context_window": served.ctx,
+            "max_model_len": served.ctx,
+            "meta": served.model_info(),
         }
+
+    def model_card(choice: ModelChoice) -> dict[str, Any]:
+        resident = next((r for r in pool.residents() if r.choice.key == choice.key), None)
+        if resident is not None:
+            return loaded_card(resident.runtime, choice.name)
+        header = file_header(choice.path)
+        return {"id": choice.name, "object": "model", "created": int(header.get("modified", 0)),
+                "owned_by": "lmserve", "loaded": False, "context_window": header.get("trained_context"),
+                "max_model_len": header.get("trained_context"), "meta": header}
 
     keepalive = runtime.settings.sse_keepalive
 
@@ -94,54 +121,85 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
                 return render_error(failure_error(events[-1]))
         return json_response(renderer.body(per_handle))
 
-    async def generate(request: Request, chat: ChatRequest, renderer: Renderer,
+    async def generate(request: Request, served: Runtime, chat: ChatRequest, renderer: Renderer,
                        render_error: ErrorRenderer) -> Response:
         chat.session_id = chat.session_id or session_hint(request)
-        prepared = await off_loop(runtime.prepare_chat, chat)
-        handle = runtime.start_prepared(prepared, observer_of(request))
+        prepared = await off_loop(served.prepare_chat, chat)
+        handle = served.start_prepared(prepared, observer_of(request, served))
         return await answer(request, [handle], chat.stream, OneOf(renderer), render_error)
 
     @post(both("/v1/chat/completions"), status_code=200, operation_class=openapi.json_body(ChatCompletionsBody))
     async def chat_completions(request: Request) -> Response:
-        chat, options = await off_loop(parse_chat, await read_json(request), model.tokenizer.vocab_size)
-        return await generate(request, chat, ChatRenderer(model.model_id, chat.sampling.logprobs, options),
-                              openai_error)
+        body = await read_json(request)
+        async with pool.use(requested_model(body)) as served:
+            chat, options = await off_loop(parse_chat, body, served.model.tokenizer.vocab_size)
+            renderer = ChatRenderer(served.model.model_id, chat.sampling.logprobs, options)
+            return await generate(request, served, chat, renderer, openai_error)
 
     responses_store = ResponseStore()
 
     @post(both("/v1/responses"), status_code=200, operation_class=openapi.json_body(ResponsesBody))
     async def responses(request: Request) -> Response:
-        call = await off_loop(parse_responses, await read_json(request), model.tokenizer.vocab_size, responses_store)
-        renderer = ResponseRenderer(model.model_id, call, responses_store, runtime.resolved_sampling(call.chat.sampling))
-        return await generate(request, call.chat, renderer, openai_error)
+        body = await read_json(request)
+        async with pool.use(requested_model(body)) as served:
+            call = await off_loop(parse_responses, body, served.model.tokenizer.vocab_size, responses_store)
+            renderer = ResponseRenderer(served.model.model_id, call, responses_store,
+                                        served.resolved_sampling(call.chat.sampling))
+            return await generate(request, served, call.chat, renderer, openai_error)
 
     @post(both("/v1/messages"), status_code=200, operation_class=openapi.json_body(MessagesBody))
     async def messages(request: Request) -> Response:
-        chat = await off_loop(parse_messages, await read_json(request), model.tokenizer.vocab_size)
-        return await generate(request, chat, MessageRenderer(model.model_id), anthropic_error)
+        body = await read_json(request)
+        async with pool.use(requested_model(body)) as served:
+            chat = await off_loop(parse_messages, body, served.model.tokenizer.vocab_size)
+            return await generate(request, served, chat, MessageRenderer(served.model.model_id), anthropic_error)
 
     @post(both("/v1/completions"), status_code=200, operation_class=openapi.json_body(CompletionsBody))
     async def completions(request: Request) -> Response:
-        call = await off_loop(parse_completion, await read_json(request), model.tokenizer)
-        plan = await off_loop(runtime.plan_completion, call.output_format)
-        handles = runtime.start_completion(call.prompts, call.sampling, call.max_tokens, call.stop,
-                                           plan, session_hint(request), observer_of(request))
-        renderer = CompletionRenderer(model.model_id, call.sampling.logprobs, call.include_usage)
-        return await answer(request, handles, call.stream, renderer, openai_error)
+        body = await read_json(request)
+        async with pool.use(requested_model(body)) as served:
+            call = await off_loop(parse_completion, body, served.model.tokenizer)
+            plan = await off_loop(served.plan_completion, call.output_format)
+            handles = served.start_completion(call.prompts, call.sampling, call.max_tokens, call.stop,
+                                              plan, session_hint(request), observer_of(request, served))
+            renderer = CompletionRenderer(served.model.model_id, call.sampling.logprobs, call.include_usage)
+            return await answer(request, handles, call.stream, renderer, openai_error)
 
     @post(both("/v1/messages/count_tokens"), status_code=200,
           operation_class=openapi.json_body(CountTokensBody))
     async def count_tokens(request: Request) -> Response:
-        chat = await off_loop(parse_messages, await read_json(request), model.tokenizer.vocab_size, False)
-        return json_response({"input_tokens": await off_loop(runtime.count_prompt_tokens, chat)})
+        body = await read_json(request)
+        async with pool.use(requested_model(body)) as served:
+            chat = await off_loop(parse_messages, body, served.model.tokenizer.vocab_size, False)
+            return json_response({"input_tokens": await off_loop(served.count_prompt_tokens, chat)})
 
     @get(both("/v1/models"))
     async def list_models() -> Response:
-        return json_response({"object": "list", "data": [model_card()]})
+        choices = await off_loop(pool.directory.listing)
+        cards = await off_loop(lambda: [model_card(choice) for choice in choices])
+        return json_response({"object": "list", "data": cards})
 
     @get(both("/v1/models/{model_id:path}"))
     async def get_model(model_id: str) -> Response:
-        return json_response(model_card())
+        choice = await off_loop(pool.directory.find, model_id.lstrip("/"), False)  # a path parameter keeps its "/"
+        return json_response(await off_loop(model_card, choice))
+
+    @get("/models/status")
+    async def models_status() -> Response:
+        return json_response({"models": [r.describe() for r in pool.residents()], "max_models": pool.max_models,
+                              "keep_alive_seconds": pool.keep_alive if pool.keep_alive != float("inf") else -1,
+                              "loads": pool.loads, "unloads": pool.unloads})
+
+    @post("/models/load", status_code=200, operation_class=openapi.json_body(ModelBody))
+    async def models_load(request: Request) -> Response:
+        name = decode(await read_json(request), ModelBody).model
+        resident = await pool.load(name)
+        return json_response({"model": resident.runtime.model.model_id, "loaded": True, **resident.describe()})
+
+    @post("/models/unload", status_code=200, operation_class=openapi.json_body(ModelBody))
+    async def models_unload(request: Request) -> Response:
+        name = decode(await read_json(request), ModelBody).model
+        return json_response({"model": name, "unloaded": await pool.unload_named(name)})
 
     @get("/health")
     async def health() -> Response:
@@ -159,6 +217,7 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
                 "tokens_generated": status.tokens_generated,
                 "warm": status.warm,
                 "kv": status.kv,
+                "models": [r.describe() for r in pool.residents()],
                 "auth_required": bool(runtime.settings.api_key),
                 "version": __version__,
             }
@@ -206,6 +265,9 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
             count_tokens,
             list_models,
             get_model,
+            models_status,
+            models_load,
+            models_unload,
             health,
             fit,
             tokenize,
@@ -222,23 +284,33 @@ def create_app(runtime: Runtime, metrics: Metrics, cors_origins: list[str] | Non
     )
 
 
-def server_app(runtime: Runtime, guard: GuardOptions, cors_origins: list[str] | None = None) -> AccessLog:
+def server_app(pool: ModelPool, guard: GuardOptions, cors_origins: list[str] | None = None) -> AccessLog:
     """The full ASGI stack: request ids, metrics and logs outermost, then the guard, then the app."""
+
+    def total(figure: Callable[[Runtime], int]) -> Callable[[], int]:
+        return lambda: sum(figure(r) for r in pool.runtimes())
+
     metrics = Metrics({
-        "lmserve_queue_depth": ("Requests waiting for the worker.", lambda: runtime.status().queue_depth),
-        "lmserve_active_sequences": ("Sequences being generated.", lambda: runtime.status().active_sequences),
-        "lmserve_kv_bytes": ("Bytes held by resident KV slots.", lambda: runtime.status().kv["kv_bytes"]),
+        "lmserve_queue_depth": ("Requests waiting for a worker.", total(lambda r: r.status().queue_depth)),
+        "lmserve_active_sequences": ("Sequences being generated.", total(lambda r: r.status().active_sequences)),
+        "lmserve_kv_bytes": ("Bytes held by resident KV slots.", total(lambda r: r.status().kv["kv_bytes"])),
+        "lmserve_models_loaded": ("Models resident.", lambda: len(pool.residents())),
     })
-    guarded = Guard(create_app(runtime, metrics, cors_origins), guard)  # the app renders metrics: gauge after
+    guarded = Guard(create_app(pool, metrics, cors_origins), guard)  # the app renders metrics: gauge after
     metrics.gauges["lmserve_requests_in_flight"] = ("Requests counted against --conns (their bodies may still be "
                                             "arriving).", lambda: guarded.in_flight)
     return AccessLog(guarded, metrics)
 
 
-def observer_of(request: Request) -> Observer | None:
-    """The access-log record of this request watches its events (timings, tokens, outcome)."""
+def observer_of(request: Request, served: Runtime | None = None) -> Observer | None:
+    """The access-log record of this request watches its events (timings, tokens, outcome), and
+    names the model that `served` it."""
     record = request.scope.get(RECORD_KEY)
-    return record.observe if record is not None else None
+    if record is None:
+        return None
+    if served is not None:
+        record.model = served.model.model_id
+    return record.observe
 
 
 def session_hint(request: Request) -> str | None:

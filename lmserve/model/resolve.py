@@ -167,12 +167,15 @@ def stores() -> list[Store]:
     ]
 
 
-def resolve(arg: str) -> tuple[Path, str | None]:
-    """The GGUF that `arg` names, and the name it was found by (None when `arg` is a path)."""
+def resolve(arg: str, searched: list[Store] | None = None, names_only: bool = False) -> tuple[Path, str | None]:
+    """The GGUF that `arg` names, and the name it was found by (None when `arg` is a path).
+    `names_only`: a path is no name (a request's `model` must not open any file it likes)."""
     path = Path(arg).expanduser()
     if path.is_file() or _looks_like_path(arg):
+        if names_only:
+            raise ModelLoadError(f"{arg!r} is a path, not a model's name")
         return path, None
-    searched = stores()
+    searched = stores() if searched is None else searched
     for store in searched:
         models = store.select(arg, store.models())
         if len(models) == 1:

@@ -105,6 +105,7 @@ class Scheduler:
         self._queue: deque[GenerationJob] = deque()
         self._prefilling: deque[_Sequence] = deque()  # admitted, prompt partly in the cache
         self._active: list[_Sequence] = []
+        self._admitting = 0  # jobs taken from the queue, not yet prefilling
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="lmserve-worker", daemon=True)
@@ -169,6 +170,12 @@ class Scheduler:
         """Sequences holding a batch row: being prefilled or decoded."""
         return len(self._active) + len(self._prefilling)
 
+    @property
+    def busy(self) -> bool:
+        """Some job is queued, being admitted, prefilled or decoded (a model pool must not unload it)."""
+        with self._cv:
+            return bool(self._queue or self._admitting or self._prefilling or self._active)
+
     # -- worker side -------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -181,8 +188,11 @@ class Scheduler:
                 admit = []
                 while self._queue and self.active_sequences + len(admit) < self.max_batch:
                     admit.append(self._queue.popleft())
+                self._admitting = len(admit)
             for job in admit:
                 self._admit(job)
+            with self._cv:
+                self._admitting = 0
             self._drop_cancelled()
             if self._prefilling:
                 self._prefill_chunk()
