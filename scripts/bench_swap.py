@@ -48,6 +48,17 @@ def drop_page_cache() -> bool:
         return False
 
 
+def unload(base_url: str, name: str) -> None:
+    """Unload `name` once its last request has let go (a stream closed at its first token is
+    cancelled at the worker's next step: until then the model is busy, a 409)."""
+    deadline = time.monotonic() + 30
+    while (r := httpx.post(base_url + "/models/unload", json={"model": name}, timeout=60)).status_code == 409:
+        if time.monotonic() > deadline:
+            r.raise_for_status()
+        time.sleep(0.05)
+    r.raise_for_status()
+
+
 def load_seconds(base_url: str, name: str) -> float:
     models = httpx.get(base_url + "/models/status", timeout=30).json()["models"]
     return next(m["load_seconds"] for m in models if m["id"] == name)
@@ -76,10 +87,10 @@ def main() -> None:
                 cold_ok = drop_page_cache() and cold_ok
                 figures["cold"].append(ttft(url, "swapped"))
                 figures["cold_load"].append(load_seconds(url, "swapped"))
-                httpx.post(url + "/models/unload", json={"model": "swapped"}, timeout=60).raise_for_status()
+                unload(url, "swapped")
                 figures["warm"].append(ttft(url, "swapped"))
                 figures["warm_load"].append(load_seconds(url, "swapped"))
-                httpx.post(url + "/models/unload", json={"model": "swapped"}, timeout=60).raise_for_status()
+                unload(url, "swapped")
     print(f"{args.model or 'synthetic MoE'} ({size:.0f} MiB), best of {args.rounds} rounds"
           + ("" if cold_ok else " (page cache not dropped: 'cold' is warm too)"))
     resident = min(figures["resident"])
