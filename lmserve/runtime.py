@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from lmserve.chat import reasoning
 from lmserve.chat.planner import ReplyPlanner
 from lmserve.chat.prompt import PromptBuilder
@@ -22,6 +24,7 @@ from lmserve.core.types import ChatRequest, OutputFormat, SamplingParams
 from lmserve.engine.protocol import Engine
 from lmserve.model.families import EMBEDDED_DEMO, recommended_sampling
 from lmserve.model.loader import LoadedModel
+from lmserve.serving.embeddings import check_pooling, embed_tokens
 from lmserve.serving.handle import Observer, RequestHandle
 from lmserve.serving.jobs import EventChannel, GenerationJob
 from lmserve.serving.kv_disk import DiskTier
@@ -189,6 +192,31 @@ class Runtime:
                 handle.cancel()
             raise
         return handles
+
+    def embed(self, inputs: list[list[int]], param: str = "input") -> asyncio.Future[list[np.ndarray]]:
+        """Each input's embedding (pooled, normalized: serving/embeddings.py), computed by the
+        worker between two steps; RequestError for an empty input, one past the context, or a
+        model whose pooling gives none. Cancelling the future drops it if it has not run yet."""
+        try:
+            check_pooling(self.model.config.pooling)
+        except ValueError as exc:
+            raise RequestError(f"this model gives no embeddings: {exc}", 400, param, "model_not_embedding") from None
+        for i, ids in enumerate(inputs):
+            where = param if len(inputs) == 1 else f"{param}[{i}]"
+            if not ids:
+                raise RequestError(f"{where}: an input is empty", 400, where)
+            if len(ids) > self.ctx:
+                raise RequestError(f"{where} has {len(ids)} tokens but the context size is {self.ctx} tokens",
+                                   400, where, "context_length_exceeded")
+        engine, config = self.engine, self.model.config
+        try:
+            future = self.scheduler.call(lambda: [embed_tokens(engine, ids, config) for ids in inputs])
+        except ShuttingDown:
+            raise shutting_down() from None
+        except QueueFull as exc:
+            raise RequestError(f"server busy: {exc}; retry shortly", 429, None, "queue_full",
+                               {"Retry-After": "1"}) from None
+        return asyncio.wrap_future(future)
 
     def resolved_sampling(self, sampling: SamplingParams) -> SamplingParams:
         """The sampling a request gets: its own fields, then the server's --temp and the model's

@@ -32,7 +32,8 @@ from lmserve.serving.handle import SpeculationUsage
 log = logging.getLogger("lmserve.access")
 RECORD_KEY = "lmserve.record"
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-ROUTES = ("/chat/completions", "/completions", "/responses", "/messages/count_tokens", "/messages", "/models",
+ROUTES = ("/chat/completions", "/completions", "/responses", "/messages/count_tokens", "/messages", "/embeddings",
+          "/models",
           "/health", "/metrics", "/tokenize", "/detokenize")
 ADMIN_ROUTES = ("/models/status", "/models/load", "/models/unload")
 

@@ -36,6 +36,7 @@ from lmserve.http.common import (
     json_response,
     off_loop,
     read_json,
+    result_unless_gone,
 )
 from lmserve.http.errors import anthropic_error, openai_error, renderer_for_path
 from lmserve.http.guard import Guard, GuardOptions
@@ -43,6 +44,7 @@ from lmserve.http.messages_schema import CountTokensBody, MessagesBody
 from lmserve.http.metrics import Metrics
 from lmserve.http.openai_chat import ChatRenderer, parse_chat
 from lmserve.http.openai_completions import CompletionRenderer, parse_completion
+from lmserve.http.openai_embeddings import EmbeddingsBody, parse_embeddings, render_embeddings
 from lmserve.http.openai_responses import ResponseRenderer, parse_responses
 from lmserve.http.response_store import ResponseStore
 from lmserve.http.responses_schema import ResponsesBody
@@ -165,6 +167,16 @@ def create_app(pool: ModelPool, metrics: Metrics, cors_origins: list[str] | None
             renderer = CompletionRenderer(served.model.model_id, call.sampling.logprobs, call.include_usage)
             return await answer(request, handles, call.stream, renderer, openai_error)
 
+    @post(both("/v1/embeddings"), status_code=200, operation_class=openapi.json_body(EmbeddingsBody))
+    async def embeddings(request: Request) -> Response:
+        body = await read_json(request)
+        async with pool.use(requested_model(body)) as served:
+            call = await off_loop(parse_embeddings, body, served.model.tokenizer, served.model.config.hidden_size)
+            pending = served.embed(call.inputs)
+            observer_of(request, served)
+        vectors = await result_unless_gone(pending, request)
+        return json_response(await off_loop(render_embeddings, call, vectors, served.model.model_id))
+
     @post(both("/v1/messages/count_tokens"), status_code=200,
           operation_class=openapi.json_body(CountTokensBody))
     async def count_tokens(request: Request) -> Response:
@@ -262,6 +274,7 @@ def create_app(pool: ModelPool, metrics: Metrics, cors_origins: list[str] | None
             responses,
             messages,
             completions,
+            embeddings,
             count_tokens,
             list_models,
             get_model,

@@ -18,7 +18,8 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from lmserve.core.errors import RequestError
-from lmserve.core.events import Event, Failed
+from lmserve.core.events import CLIENT_CLOSED, Event, Failed
+from lmserve.http.access import RECORD_KEY
 from lmserve.serving.handle import RequestHandle
 
 T = TypeVar("T")
@@ -209,5 +210,28 @@ async def collect(handles: Sequence[RequestHandle], request: Request) -> list[li
     watcher = asyncio.create_task(watch_disconnect())
     try:
         return [[event async for event in handle.events()] for handle in handles]
+    finally:
+        watcher.cancel()
+
+
+async def result_unless_gone(future: asyncio.Future[T], request: Request) -> T:
+    """`future`'s result (work queued for the worker that is no generation: embeddings). A client
+    that disconnects first cancels it, so the worker skips it if it has not run yet: a 499."""
+
+    async def watch_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        future.cancel()
+
+    watcher = asyncio.create_task(watch_disconnect())
+    try:
+        return await future
+    except asyncio.CancelledError:
+        if not future.cancelled() or asyncio.current_task().cancelling():
+            raise  # this handler itself is being cancelled
+        record = request.scope.get(RECORD_KEY)
+        if record is not None:
+            record.outcome = CLIENT_CLOSED
+        raise RequestError("the client closed the connection before its reply", 499, None, CLIENT_CLOSED) from None
     finally:
         watcher.cancel()

@@ -19,6 +19,10 @@ sequence feeds its last token plus its draft (possibly none), picks from every p
 as a decode step would, keeps the draft up to the first disagreement and truncates its cache back
 to the tokens taken. Every token still goes through `_emit` one by one, so stop strings,
 grammars, logprobs and max_tokens see exactly what plain decoding shows them.
+
+Work on the engine that is not a generation (embeddings) is a call (`call`): the worker runs it
+between two steps, on its own thread (MLX's streams belong to the thread that made them), and
+sets its future; one that was cancelled while waiting (its client left) is skipped.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -106,6 +112,7 @@ class Scheduler:
         self._prefilling: deque[_Sequence] = deque()  # admitted, prompt partly in the cache
         self._active: list[_Sequence] = []
         self._admitting = 0  # jobs taken from the queue, not yet prefilling
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()  # engine work that is no generation
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="lmserve-worker", daemon=True)
@@ -152,6 +159,19 @@ class Scheduler:
             self._queue.append(job)
             self._cv.notify()
 
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run `fn` on the worker thread between two steps; its result (or exception) in the
+        future. Counted against the queue's bound; ShuttingDown, QueueFull as `submit`."""
+        future: Future = Future()
+        with self._cv:
+            if self._stopping:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._queue) + len(self._calls) >= self.max_queue:
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
+            self._calls.append((fn, future))
+            self._cv.notify()
+        return future
+
     def cancel(self, job: GenerationJob) -> None:
         """Drop a job whose client left: out of the queue now, out of the batch (slot given back)
         at the worker's next step. Safe from any thread; idempotent."""
@@ -174,21 +194,30 @@ class Scheduler:
     def busy(self) -> bool:
         """Some job is queued, being admitted, prefilled or decoded (a model pool must not unload it)."""
         with self._cv:
-            return bool(self._queue or self._admitting or self._prefilling or self._active)
+            return bool(self._queue or self._calls or self._admitting or self._prefilling or self._active)
 
     # -- worker side -------------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not self._queue and not self._prefilling and not self._active:
+                while (not self._stopping and not self._queue and not self._calls and not self._prefilling
+                       and not self._active):
                     self._cv.wait()
                 if self._stopping:
                     break
+                calls = list(self._calls)
+                self._calls.clear()
                 admit = []
                 while self._queue and self.active_sequences + len(admit) < self.max_batch:
                     admit.append(self._queue.popleft())
                 self._admitting = len(admit)
+            for fn, future in calls:
+                if future.set_running_or_notify_cancel():  # False: cancelled while it waited
+                    try:
+                        future.set_result(fn())
+                    except Exception as exc:  # noqa: BLE001  (the caller gets it; the worker goes on)
+                        future.set_exception(exc)
             for job in admit:
                 self._admit(job)
             with self._cv:
@@ -204,6 +233,11 @@ class Scheduler:
         with self._cv:
             pending = list(self._queue)
             self._queue.clear()
+            calls = list(self._calls)
+            self._calls.clear()
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(ShuttingDown("the server is shutting down"))
         for seq in [*self._prefilling, *self._active]:
             self._retire(seq)
             pending.append(seq.job)
