@@ -36,11 +36,13 @@ ROUTES = ("/chat/completions", "/completions", "/responses", "/messages/count_to
           "/models",
           "/health", "/metrics", "/tokenize", "/detokenize")
 ADMIN_ROUTES = ("/models/status", "/models/load", "/models/unload")
+OLLAMA_ROUTES = ("/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/tags", "/api/ps", "/api/show",
+                 "/api/version")
 
 
 def route_label(path: str) -> str:
     """A bounded set of route names for metrics: unknown paths share one label."""
-    if path in ADMIN_ROUTES:
+    if path in ADMIN_ROUTES or path in OLLAMA_ROUTES:
         return path
     bare = path.removeprefix("/v1")
     if bare.startswith("/models/"):

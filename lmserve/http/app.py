@@ -42,6 +42,7 @@ from lmserve.http.errors import anthropic_error, openai_error, renderer_for_path
 from lmserve.http.guard import Guard, GuardOptions
 from lmserve.http.messages_schema import CountTokensBody, MessagesBody
 from lmserve.http.metrics import Metrics
+from lmserve.http.ollama_routes import ollama_routes
 from lmserve.http.openai_chat import ChatRenderer, parse_chat
 from lmserve.http.openai_completions import CompletionRenderer, parse_completion
 from lmserve.http.openai_embeddings import EmbeddingsBody, parse_embeddings, render_embeddings
@@ -108,7 +109,8 @@ def create_app(pool: ModelPool, metrics: Metrics, cors_origins: list[str] | None
         header = file_header(choice.path)
         return {"id": choice.name, "object": "model", "created": int(header.get("modified", 0)),
                 "owned_by": "lmserve", "loaded": False, "context_window": header.get("trained_context"),
-                "max_model_len": header.get("trained_context"), "meta": header}
+                "max_model_len": header.get("trained_context"),
+                "meta": {k: v for k, v in header.items() if k != "template"}}
 
     keepalive = runtime.settings.sse_keepalive
 
@@ -288,6 +290,7 @@ def create_app(pool: ModelPool, metrics: Metrics, cors_origins: list[str] | None
             metrics_page,
             chat_page,
             probe,
+            *ollama_routes(pool, observer_of),
             create_static_files_router(path="/static", directories=[STATIC], include_in_schema=False),
         ],
         exception_handlers={RequestError: _request_error, HTTPException: _http_error, Exception: _crash},

@@ -175,9 +175,11 @@ def failure_error(failure: Failed) -> RequestError:
 KEEPALIVE_COMMENT = b": keep-alive\n\n"  # an SSE comment: every client's parser skips it
 
 
-def event_stream(frames: AsyncIterator[bytes], handles: Sequence[RequestHandle]) -> Stream:
+def event_stream(frames: AsyncIterator[bytes], handles: Sequence[RequestHandle],
+                 media_type: str = "text/event-stream") -> Stream:
     """An admitted streaming request: the response head goes out at once, then the dialect's
-    frames. However the stream ends (done, client gone, server stopping) the requests are let go."""
+    frames (SSE, or Ollama's NDJSON). However the stream ends (done, client gone, server
+    stopping) the requests are let go."""
 
     def let_go() -> None:
         for handle in handles:
@@ -192,7 +194,7 @@ def event_stream(frames: AsyncIterator[bytes], handles: Sequence[RequestHandle])
 
     # The background task runs as soon as the response is over, also when a disconnect cancelled
     # the stream while the generator sat at a `yield` (its `finally` would wait for finalization).
-    return Stream(body(), media_type="text/event-stream", background=BackgroundTask(let_go),
+    return Stream(body(), media_type=media_type, background=BackgroundTask(let_go),
                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

@@ -1,4 +1,4 @@
-"""Error envelopes: OpenAI's on the OpenAI routes, Anthropic's on /v1/messages."""
+"""Error envelopes: OpenAI's on the OpenAI routes, Anthropic's on /v1/messages, Ollama's on /api/*."""
 
 from __future__ import annotations
 
@@ -18,12 +18,22 @@ def anthropic_payload(err: RequestError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": err.error_type, "message": err.message}}
 
 
+def ollama_payload(err: RequestError) -> dict[str, Any]:
+    return {"error": err.message}
+
+
 def is_anthropic_path(path: str) -> bool:
     return "/messages" in path
 
 
+def is_ollama_path(path: str) -> bool:
+    return path.startswith("/api/")
+
+
 def error_payload(err: RequestError, path: str) -> dict[str, Any]:
     """The envelope of the dialect that `path` belongs to."""
+    if is_ollama_path(path):
+        return ollama_payload(err)
     return anthropic_payload(err) if is_anthropic_path(path) else openai_payload(err)
 
 
@@ -35,6 +45,12 @@ def anthropic_error(err: RequestError) -> Response:
     return json_response(anthropic_payload(err), err.status, err.headers)
 
 
+def ollama_error(err: RequestError) -> Response:
+    return json_response(ollama_payload(err), err.status, err.headers)
+
+
 def renderer_for_path(path: str):
     """Which envelope an error on `path` gets (used where no route handler caught it)."""
+    if is_ollama_path(path):
+        return ollama_error
     return anthropic_error if is_anthropic_path(path) else openai_error

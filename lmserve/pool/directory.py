@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from lmserve.core.errors import RequestError
+from lmserve.model.catalog import file_quant
+from lmserve.model.config import ModelConfig
 from lmserve.model.families import FAMILIES
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError, model_stem
 from lmserve.model.resolve import Store, resolve, stores
@@ -146,8 +148,13 @@ def _header(path: str, mtime_ns: int) -> dict[str, Any]:
         arch = str(md.get("general.architecture", ""))
         family = FAMILIES.get(arch)
         context = md.get(f"{arch}.context_length")
+        try:
+            parameters: int | None = ModelConfig.from_gguf(gguf).n_params
+        except (ModelLoadError, KeyError, ValueError):  # an architecture lmserve does not serve
+            parameters = None
         return {"family": family.name if family else None, "architecture": arch,
                 "trained_context": None if context is None else int(context), "file_bytes": gguf.file_bytes,
-                "modified": mtime_ns // 10**9}
+                "modified": mtime_ns // 10**9, "parameters": parameters, "quant": file_quant(gguf),
+                "pooling": md.get(f"{arch}.pooling_type"), "template": str(md.get("tokenizer.chat_template") or "")}
     finally:
         gguf.close()

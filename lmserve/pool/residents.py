@@ -49,6 +49,7 @@ class Resident:
     pinned: bool = False  # the startup model: never unloaded
     load_seconds: float = 0.0
     leases: int = 0  # requests between choosing this model and queueing their job
+    keep_alive: float | None = None  # a request's own (Ollama's keep_alive) over --keep-alive
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -206,12 +207,24 @@ class ModelPool:
             await asyncio.sleep(min(1.0, max(self.keep_alive / 4, 0.05)))
             now = time.monotonic()
             expired = [key for key, r in self._residents.items()
-                       if not r.pinned and not r.busy and now - r.last_used >= self.keep_alive]
+                       if not r.pinned and not r.busy and now - r.last_used >= self.kept_for(r)]
             for key in expired:
                 if key in self._residents:
                     await self.unload(key)
             if expired:
                 await asyncio.to_thread(gc.collect)
+
+    def kept_for(self, resident: Resident) -> float:
+        """Seconds an idle model stays: its last request's keep-alive, else --keep-alive."""
+        return self.keep_alive if resident.keep_alive is None else resident.keep_alive
+
+    def keep(self, runtime: Runtime, seconds: float) -> None:
+        """A request's keep-alive for its model (the startup model stays whatever it says)."""
+        for resident in self._residents.values():
+            if resident.runtime is runtime:
+                resident.keep_alive = seconds
+        if self._sweeper is None and not math.isinf(seconds):
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
     # -- what the routes report ------------------------------------------------------------------
 
