@@ -26,7 +26,7 @@ def main() -> None:
     p.add_argument("--megabytes", type=float, default=3.0)
     args = p.parse_args()
     text = "lorem ipsum dolor sit amet " * int(args.megabytes * 1e6 / 27)
-    body = {"model": "x", "messages": [{"role": "user", "content": text}]}
+    body = {"model": "claude-haiku-4-5", "messages": [{"role": "user", "content": text}]}
     with start_server("--ctx", "2048") as server, concurrent.futures.ThreadPoolExecutor(args.bodies) as pool:
         started = time.perf_counter()
         counts = [pool.submit(httpx.post, server.base_url + "/v1/messages/count_tokens", json=body, timeout=600)
