@@ -207,7 +207,7 @@ def test_headers_that_never_end_are_a_408_and_the_socket_is_closed(impatient) ->
     assert httpx.get(impatient.base_url + "/health").status_code == 200
     started = time.monotonic()
     for sock in slow:
-        reply = sock.recv(4096)
+        reply = _response(sock)
         assert reply.startswith(b"HTTP/1.1 408 "), reply
         assert sock.recv(4096) == b""  # closed
         sock.close()
@@ -220,7 +220,25 @@ def test_a_kept_alive_connection_gets_the_header_deadline_for_its_next_request(i
     host, port = impatient.base_url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-    assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+    assert _response(sock).startswith(b"HTTP/1.1 200 ")
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the blank line never comes
-    assert sock.recv(4096).startswith(b"HTTP/1.1 408 ")
+    assert _response(sock).startswith(b"HTTP/1.1 408 ")
     sock.close()
+
+
+def _response(sock: socket.socket) -> bytes:
+    """One whole HTTP response from `sock` (headers, then Content-Length bytes of body): the
+    server may write them in separate packets."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        assert chunk, data
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = sock.recv(4096)
+        assert chunk, data
+        body += chunk
+    return head + b"\r\n\r\n" + body
