@@ -14,7 +14,7 @@ from lmserve.engine_cpu import CPUEngine
 from lmserve.engine_cpu import ops as ops_module
 from lmserve.engine_cpu import weights as weights_module
 from lmserve.engine_cpu.engine import kernels_available
-from lmserve.engine_cpu.qmatrix import Matrix, MatrixStack, QuantMatrix
+from lmserve.engine_cpu.qmatrix import ExpertStack, Matrix, MatrixStack, QuantMatrix
 from lmserve.engine_cpu.weights import AttentionWeights
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
@@ -130,7 +130,8 @@ def test_the_sliding_window_is_what_the_reference_applies(family: str) -> None:
 @pytest.mark.parametrize("family", ["qwen3moe", "qwen35moe", "gemma4"])
 def test_moe_decode_reads_only_the_chosen_experts(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One decode row runs its k experts per layer, and no other (matrices told apart by their
-    data: each expert's slice of the stacked tensor is a fresh view)."""
+    data: each expert's slice of the stacked tensor is a fresh view), whether they run one by one
+    or in one grouped call."""
     e = engine(Fixture(family, "F16"))
     c = e.new_cache(16)
     e.prefill(c, token_ids(family)[:8])
@@ -141,11 +142,18 @@ def test_moe_decode_reads_only_the_chosen_experts(family: str, monkeypatch: pyte
         first = w.parts[0] if isinstance(w, MatrixStack) else w
         return (first.q if isinstance(first, QuantMatrix) else first).__array_interface__["data"][0]
 
+    real_grouped = ExpertStack.times_grouped
+
     def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
         read.add(data(w))
         return real(x, w)
 
+    def times_grouped(stack: ExpertStack, x: np.ndarray, experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
+        read.update(data(stack[e]) for e in experts.tolist())
+        return real_grouped(stack, x, experts, firsts)
+
     monkeypatch.setattr(ops_module, "linear", linear)
+    monkeypatch.setattr(ExpertStack, "times_grouped", times_grouped)
     e.decode([c], [5])
     for layer in e.weights.layers:
         assert layer.experts is not None

@@ -14,7 +14,7 @@ from gguf import quants as gguf_quants
 from lmserve.engine_cpu import CPUEngine
 from lmserve.engine_cpu.encodings import encode, encoding_of
 from lmserve.engine_cpu.engine import kernels_available
-from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, MatrixStack, QuantMatrix
+from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, ExpertStack, MatrixStack, QuantMatrix
 from lmserve.model.config import ModelConfig
 from lmserve.model.default_model import default_model_path
 from lmserve.model.gguf_file import GGUFFile
@@ -181,13 +181,32 @@ def test_the_engine_keeps_each_type_in_its_encoding(name: str) -> None:
     assert e.weight_bytes < 2.3 * ModelConfig.from_gguf(gguf).n_params  # float32: 4
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("counts", [(1, 1, 1, 1), (1, 5, 2), (4, 1, 3, 2)])
+def test_grouped_expert_products_have_each_rows_own_bits(qtype: GGMLQuantizationType, counts: tuple[int, ...]) -> None:
+    """One kernel call for every routed expert (rows grouped by expert) gives each row the bits
+    its expert's own product gives it, so MoE decode does not depend on what it is batched with."""
+    experts, rows_each = 6, 40
+    whole, _ = encoded_matrix(qtype, experts * rows_each, 512)
+    stack = ExpertStack(whole, experts)
+    groups = np.array([5, 0, 3, 2][:len(counts)])
+    firsts = np.cumsum([0, *counts])
+    x = np.random.default_rng(7).standard_normal((firsts[-1], 512)).astype(np.float32)
+    got = stack.times_grouped(x, groups, firsts)
+    for expert, start, stop in zip(groups.tolist(), firsts[:-1], firsts[1:], strict=True):
+        assert np.array_equal(got[start:stop], stack[expert].times(x[start:stop]))
+        for row in range(start, stop):
+            assert np.array_equal(got[row], stack[expert].times(x[row:row + 1])[0])
+
+
 def test_moe_experts_are_kept_one_matrix_per_expert() -> None:
     gguf = GGUFFile(ARCH / "qwen3moe" / "tiny-qwen3moe-Q4_K_M.gguf")
     config = ModelConfig.from_gguf(gguf)
     e = CPUEngine(gguf, config)
     experts = e.weights.layers[0].experts
     assert experts is not None and len(experts.gate_up) == len(experts.down) == config.n_experts
-    assert all(isinstance(m, QuantMatrix | MatrixStack) for m in [*experts.gate_up, *experts.down])
+    assert isinstance(experts.gate_up, ExpertStack) and isinstance(experts.down, ExpertStack)
+    assert all(isinstance(m, QuantMatrix) for m in [*experts.gate_up, *experts.down])
     float32 = CPUEngine(gguf, config, quantized=False)
     ids = list(range(100, 140))
     kept, reference = (engine.prefill(engine.new_cache(64), ids, all_logits=True) for engine in (e, float32))

@@ -204,6 +204,19 @@ _tile4, _tile2, _tile1 = (_dots(rows, OUTS) for rows in ROW_GROUPS)
 _one = _dots(1, 1)
 
 
+@njit(inline="always", nogil=True)
+def _tiles(x, q, scale, offset, xsum, out, o, r, stop):  # noqa: ANN001, ANN202
+    """Matrix rows `o:o + OUTS` against x rows `r:stop`: four at a time, then two, then one."""
+    while r + 4 <= stop:
+        _tile4(x, q, scale, offset, xsum, out, o, r)
+        r += 4
+    if r + 2 <= stop:
+        _tile2(x, q, scale, offset, xsum, out, o, r)
+        r += 2
+    if r < stop:
+        _tile1(x, q, scale, offset, xsum, out, o, r)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _times(x, q, scale, offset, xsum, out):  # noqa: ANN001, ANN202
     n = x.shape[0]
@@ -212,16 +225,25 @@ def _times(x, q, scale, offset, xsum, out):  # noqa: ANN001, ANN202
             _one(x, q, scale, offset, xsum, out, o, 0)
         return
     for tile in prange(-(-q.shape[0] // OUTS)):
-        o = tile * OUTS
-        r = 0
-        while r + 4 <= n:
-            _tile4(x, q, scale, offset, xsum, out, o, r)
-            r += 4
-        if r + 2 <= n:
-            _tile2(x, q, scale, offset, xsum, out, o, r)
-            r += 2
-        if r < n:
-            _tile1(x, q, scale, offset, xsum, out, o, r)
+        _tiles(x, q, scale, offset, xsum, out, tile * OUTS, 0, n)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _grouped_times(x, q, scale, offset, xsum, out, experts, firsts):  # noqa: ANN001, ANN202
+    """`_times` for groups of rows, each against its own matrix of the stack `q [matrices, ...]`:
+    one launch for every routed expert of a layer, its tiles spread over the threads."""
+    rows = q.shape[1]
+    if firsts[-1] == len(experts):  # one row a group: one matrix row at a time, as `_times` does
+        for t in prange(len(experts) * rows):
+            g, o = t // rows, t % rows
+            e = experts[g]
+            _one(x, q[e], scale[e], offset[e], xsum, out, o, g)
+        return
+    tiles = -(-rows // OUTS)
+    for t in prange(len(experts) * tiles):
+        g, o = t // tiles, (t % tiles) * OUTS
+        e = experts[g]
+        _tiles(x, q[e], scale[e], offset[e], xsum, out, o, firsts[g], firsts[g + 1])
 
 
 @njit(cache=True, nogil=True)
@@ -240,6 +262,18 @@ def times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -
     return out
 
 
+def grouped_times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray,
+                  experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
+    """Rows `firsts[g]:firsts[g + 1]` of `x [n, in]` times matrix `experts[g]` of the stack
+    `[matrices, out, in]` transposed: `[n, out]`, each row's values the bits `times` gives it."""
+    n, columns = x.shape
+    block = columns // scale.shape[2]
+    xsum = np.add.reduce(x.reshape(n, -1, block), axis=-1)
+    out = np.empty((n, q.shape[1]), dtype=np.float32)
+    _grouped_times(x, q, scale, offset, xsum, out, experts, firsts)
+    return out
+
+
 def set_threads(n: int) -> None:
     """The threads the calling thread's next parallel kernels run with (at most Numba's count)."""
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
@@ -255,16 +289,21 @@ def dequantize(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, out: np.nda
     _dequantize(q, scale, offset, out)
 
 
-def prepare(dtypes: Iterable[np.dtype]) -> str:
-    """Compile the kernels for the values arrays of `dtypes` the engine passes (or load them from
-    Numba's cache, `cache=True`, written beside this module) without running them: compiled
-    lazily, the first request after an install waited for them. What happened, for the banner."""
+def prepare(dtypes: Iterable[np.dtype], stacked: Iterable[np.dtype] = ()) -> str:
+    """Compile the kernels for the values arrays of `dtypes` the engine passes, and the grouped
+    one for expert stacks of `stacked` (or load them from Numba's cache, `cache=True`, written
+    beside this module) without running them: compiled lazily, the first request after an install
+    waited for them. What happened, for the banner."""
     started = time.perf_counter()
-    matrix = types.Array(types.float32, 2, "C")
+    matrix, cube = types.Array(types.float32, 2, "C"), types.Array(types.float32, 3, "C")
     for dtype in sorted(set(dtypes), key=str):
         values = types.Array(numba.from_dtype(dtype), 2, "C")
         _times.compile((matrix, values, matrix, matrix, matrix, matrix))
         _dequantize.compile((values, matrix, matrix, matrix))
+    ids = types.Array(types.int64, 1, "C")
+    for dtype in sorted(set(stacked), key=str):
+        stack = types.Array(numba.from_dtype(dtype), 3, "C")
+        _grouped_times.compile((matrix, stack, cube, cube, matrix, matrix, ids, ids))
     took = time.perf_counter() - started
     if sum(_times.stats.cache_hits.values()):
         return f"compiled kernels loaded from Numba's cache in {took:.1f} s"

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from lmserve.engine_cpu import ops
+from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, ExpertStack
 from lmserve.engine_cpu.weights import ExpertWeights
 from lmserve.model.families import ROUTE_TOPK_SOFTMAX
 
@@ -53,6 +54,8 @@ def _experts(x: np.ndarray, m: ExpertWeights, chosen: np.ndarray, weights: np.nd
     k = chosen.shape[1]
     flat, flat_weights = chosen.ravel(), weights.ravel()
     order = np.argsort(flat, kind="stable")  # (row, slot) pairs grouped by expert
+    if isinstance(m.gate_up, ExpertStack) and isinstance(m.down, ExpertStack) and len(x) <= KERNEL_ROWS:
+        return _stacked_experts(x, m, flat[order], order // k, flat_weights[order], activation)
     counts = np.bincount(flat, minlength=len(m.gate_up))
     out = np.zeros_like(x)
     stop = 0
@@ -69,4 +72,26 @@ def _experts(x: np.ndarray, m: ExpertWeights, chosen: np.ndarray, weights: np.nd
         if m.down_bias is not None:
             y += m.down_bias[expert]
         out[rows] += y * flat_weights[pairs, None]
+    return out
+
+
+def _stacked_experts(x: np.ndarray, m: ExpertWeights, experts: np.ndarray, rows: np.ndarray,
+                     weights: np.ndarray, activation: Activation) -> np.ndarray:
+    """`_experts` for a few rows and stacked experts: the (row, expert) pairs sorted by expert
+    (`experts`, `rows`, `weights` per pair) run in one grouped kernel call per matrix; each row's
+    sum has the bits the loop gives it (its experts' outputs added to zeros in the experts' order)."""
+    bounds = np.flatnonzero(experts[1:] != experts[:-1]) + 1
+    firsts = np.concatenate(([0], bounds, [len(experts)]))
+    groups = experts[firsts[:-1]]
+    gate_up = m.gate_up.times_grouped(x[rows], groups, firsts)
+    if m.gate_up_bias is not None:
+        gate_up += m.gate_up_bias[experts]
+    y = m.down.times_grouped(activation(gate_up), groups, firsts)
+    if m.down_bias is not None:
+        y += m.down_bias[experts]
+    y *= weights[:, None]
+    by_row = y[np.argsort(rows, kind="stable").reshape(len(x), -1)]  # [n, k, hidden], experts in order
+    out = np.zeros_like(x)
+    for slot in range(by_row.shape[1]):
+        out += by_row[:, slot]
     return out

@@ -11,6 +11,7 @@ time into float32 and hand it to BLAS, whose matrix product then costs more than
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,6 +117,40 @@ class MatrixStack:
             out[:, row:row + len(part)] = part.times(x)
             row += len(part)
         return out
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """One kept matrix per expert of a mixture-of-experts layer, all in one encoding and one
+    QuantMatrix: expert 0's rows, then expert 1's, and so on. A decode step then runs every
+    routed expert in one kernel call, where one call per expert cost more in Python than the
+    products themselves (figures: docs/PERFORMANCE.md, measurements behind code choices)."""
+
+    whole: QuantMatrix
+    experts: int
+
+    @property
+    def rows_each(self) -> int:
+        return len(self.whole) // self.experts
+
+    def __len__(self) -> int:
+        return self.experts
+
+    def __getitem__(self, expert: int) -> QuantMatrix:
+        return self.whole.rows(expert * self.rows_each, (expert + 1) * self.rows_each)
+
+    def __iter__(self) -> Iterator[QuantMatrix]:
+        return (self[expert] for expert in range(self.experts))
+
+    def times_grouped(self, x: np.ndarray, experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
+        """`x [n, in]` whose rows `firsts[g]:firsts[g + 1]` go to expert `experts[g]`, each group
+        times its expert's matrix transposed: `[n, rows_each]` float32. For decode-sized groups
+        (at most KERNEL_ROWS rows each)."""
+        from lmserve.engine_cpu import kernels
+
+        w, shape = self.whole, (self.experts, self.rows_each, -1)
+        return kernels.grouped_times(np.ascontiguousarray(x, dtype=np.float32), w.q.reshape(shape),
+                                     w.scale.reshape(shape), w.offset.reshape(shape), experts, firsts)
 
 
 Matrix = np.ndarray | QuantMatrix | MatrixStack  # a weight matrix as the forward pass reads it

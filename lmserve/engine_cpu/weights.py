@@ -38,7 +38,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES
 from gguf import quants as gguf_quants
 
 from lmserve.engine_cpu.encodings import Encoding, encode, encoding_of
-from lmserve.engine_cpu.qmatrix import ENCODINGS, Matrix, MatrixStack, QuantMatrix
+from lmserve.engine_cpu.qmatrix import ENCODINGS, ExpertStack, Matrix, MatrixStack, QuantMatrix
 from lmserve.model.config import ROPE_INTERLEAVED, ModelConfig
 from lmserve.model.families import ROUTE_GEMMA4
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
@@ -52,7 +52,9 @@ _TRIM_THRESHOLD = 64 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers
 
 Progress = Callable[[int, int], None]
-Experts = np.ndarray | list[Matrix]  # float32 `[experts, rows, columns]`, or one kept matrix per expert
+# float32 `[experts, rows, columns]`, kept matrices of one encoding stacked, or one kept matrix per
+# expert (gate and up of different types)
+Experts = np.ndarray | ExpertStack | list[Matrix]
 
 
 @dataclass
@@ -255,13 +257,25 @@ class _Loader:
         return encoding_of(info.qtype, info.shape[-1])
 
     def experts(self, names: list[str]) -> Experts:
-        """Per-expert tensors `[experts, rows_i, ...]`, each expert's slices of them stacked: one
-        kept matrix per expert, or float32 `[experts, sum of rows_i, ...]`."""
+        """Per-expert tensors `[experts, rows_i, ...]`, each expert's slices of them stacked: kept
+        matrices in one ExpertStack (one encoding) or one per expert (several), or float32
+        `[experts, sum of rows_i, ...]`."""
         shapes = [self._info(name) for name in names]
         if len({(shape[0], *shape[2:]) for shape in shapes}) != 1:
             raise ModelLoadError(f"cannot fuse expert tensors of shapes {shapes}: {names}")
         experts, row_shape = shapes[0][0], shapes[0][2:]
-        if len(shapes[0]) == 3 and all(self._encoding(name) for name in names):
+        encodings = {self._encoding(name) for name in names} if len(shapes[0]) == 3 else {None}
+        if len(encodings) == 1 and None not in encodings:
+            (encoding,) = encodings
+            each = sum(shape[1] for shape in shapes)
+            stack = ExpertStack(QuantMatrix.empty(experts * each, row_shape[0], encoding.block, encoding.dtype), experts)
+            for e in range(experts):
+                row = e * each
+                for name, shape in zip(names, shapes, strict=True):
+                    self.jobs.append((name, stack.whole.rows(row, row + shape[1]), False, e * shape[1]))
+                    row += shape[1]
+            return stack
+        if None not in encodings:
             return [self._stacked([(name, e * shape[1], shape[1], False) for name, shape in zip(names, shapes, strict=True)],
                                   row_shape) for e in range(experts)]
         out = self._alloc((experts, sum(shape[1] for shape in shapes), *row_shape))
@@ -572,3 +586,9 @@ def _experts(loader: _Loader, c: ModelConfig, i: int) -> ExpertWeights:
 def kept_dtypes(weights: ModelWeights) -> set[np.dtype]:
     """The encodings (values dtypes) of the matrices kept in their file's values."""
     return {array.dtype for array in _arrays([weights]) if array.dtype in ENCODINGS}
+
+
+def stacked_dtypes(weights: ModelWeights) -> set[np.dtype]:
+    """The encodings of the expert stacks (their grouped kernel is compiled apart)."""
+    return {stack.whole.q.dtype for layer in weights.layers if layer.experts is not None
+            for stack in (layer.experts.gate_up, layer.experts.down) if isinstance(stack, ExpertStack)}
