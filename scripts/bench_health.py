@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -26,23 +28,37 @@ def main() -> None:
     p.add_argument("--megabytes", type=float, default=3.0)
     args = p.parse_args()
     text = "lorem ipsum dolor sit amet " * int(args.megabytes * 1e6 / 27)
-    body = {"model": "claude-haiku-4-5", "messages": [{"role": "user", "content": text}]}
-    with start_server("--ctx", "2048") as server, concurrent.futures.ThreadPoolExecutor(args.bodies) as pool:
+    # Encoded once: six client threads each encoding 3 MB of JSON would hold this process's GIL,
+    # and the probes (threads of this process too) would time the client, not the server.
+    payload = json.dumps({"model": "claude-haiku-4-5", "messages": [{"role": "user", "content": text}]}).encode()
+    with (start_server("--ctx", "2048") as server, concurrent.futures.ThreadPoolExecutor(args.bodies) as pool,
+          httpx.Client(base_url=server.base_url, headers={"Connection": "close"}, timeout=60) as probe):
+        def probes(until: Callable[[], bool]) -> np.ndarray:
+            """/health latencies (ms), a new connection each, every 50 ms until `until()`."""
+            latencies = []
+            while not until():
+                t = time.perf_counter()
+                probe.get("/health").raise_for_status()
+                latencies.append(time.perf_counter() - t)
+                time.sleep(0.05)
+            return np.array(latencies) * 1000
+
+        time.sleep(5)  # the server's warm-up pass, which runs once /health answers
+        quiet_until = time.perf_counter() + 3
+        quiet = probes(lambda: time.perf_counter() > quiet_until)
         started = time.perf_counter()
-        counts = [pool.submit(httpx.post, server.base_url + "/v1/messages/count_tokens", json=body, timeout=600)
-                  for _ in range(args.bodies)]
-        latencies = []
-        while not all(f.done() for f in counts):
-            t = time.perf_counter()
-            httpx.get(server.base_url + "/health", timeout=60).raise_for_status()
-            latencies.append(time.perf_counter() - t)
-            time.sleep(0.05)
+        counts = [pool.submit(httpx.post, server.base_url + "/v1/messages/count_tokens", content=payload,
+                              headers={"Content-Type": "application/json"}, timeout=600) for _ in range(args.bodies)]
+        loaded = probes(lambda: all(f.done() for f in counts))
         took = time.perf_counter() - started
         assert all(f.result().status_code == 200 for f in counts)
-    ms = np.array(latencies) * 1000
-    print(f"{args.bodies} x {args.megabytes:g} MB count_tokens in {took:.1f} s; /health over {len(ms)} probes: "
-          f"p50 {np.percentile(ms, 50):.1f} ms, p99 {np.percentile(ms, 99):.1f} ms, max {ms.max():.1f} ms")
+    print(f"/health with nothing else running, {len(quiet)} probes: {_percentiles(quiet)}")
+    print(f"{args.bodies} x {args.megabytes:g} MB count_tokens in {took:.1f} s; /health over {len(loaded)} probes "
+          f"meanwhile: {_percentiles(loaded)}")
 
+
+def _percentiles(ms: np.ndarray) -> str:
+    return f"p50 {np.percentile(ms, 50):.1f} ms, p99 {np.percentile(ms, 99):.1f} ms, max {ms.max():.1f} ms"
 
 if __name__ == "__main__":
     main()

@@ -6,6 +6,7 @@ route for the same request."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import numpy as np
@@ -132,3 +133,41 @@ def test_a_load_request_without_messages(client: ollama.Client, server) -> None:
         gone = httpx.post(s.base_url + "/api/generate", json={"model": "tiny-qwen2-Q8_0", "keep_alive": 0}).json()
         assert gone["done_reason"] == "unload"
         assert "tiny-qwen2-Q8_0" not in {m["model"] for m in httpx.get(s.base_url + "/api/ps").json()["models"]}
+
+
+# Continue's Ollama provider (continuedev/continue, core/llm/llms/Ollama.ts): the bodies it builds,
+# written out from its source (no recording of the app itself was at hand). Options it leaves
+# undefined are dropped by JSON.stringify; keep_alive is its 30-minute default in seconds.
+CONTINUE_OPTIONS = {"temperature": 0, "top_p": 0.9, "top_k": 40, "num_predict": 12, "stop": ["\n\n"],
+                    "num_ctx": 4096, "min_p": 0.05}
+CONTINUE_MODELFILE_LINE = r'^(\S+)\s+((?:".*")|\S+)$'
+
+
+def test_continues_ollama_provider(server, served: str) -> None:
+    """What Continue reads and sends: /api/show by `name`, every `parameters` line its pattern
+    parses (num_ctx gives it the context length; a template without `.Suffix` keeps it off
+    fill-in-the-middle), a streamed chat and generate, and a chat with tools, which it sends
+    unstreamed."""
+    shown = httpx.post(server.base_url + "/api/show", json={"name": served}).json()
+    lines = shown["parameters"].split("\n")
+    assert all(re.match(CONTINUE_MODELFILE_LINE, line) for line in lines), lines
+    assert "num_ctx 4096" in lines and ".Suffix" not in shown["template"]
+    messages = [{"role": "system", "content": "You are a helpful assistant."}, *QUESTION]
+    body = {"model": served, "messages": messages, "options": CONTINUE_OPTIONS, "keep_alive": 1800, "stream": True}
+    with httpx.stream("POST", server.base_url + "/api/chat", json=body) as r:
+        chunks = [json.loads(line) for line in r.iter_lines() if line.strip()]
+    assert r.status_code == 200 and all(c["message"]["role"] == "assistant" for c in chunks)
+    assert chunks[-1]["done"] and not any(c["done"] for c in chunks[:-1]) and chunks[-1]["eval_count"] <= 12
+    assert "".join(c["message"]["content"] for c in chunks).strip()
+    tool = {"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                             "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                                                            "required": ["path"]}}}
+    reply = httpx.post(server.base_url + "/api/chat", json={**body, "tools": [tool], "stream": False}).json()
+    assert reply["done"] and reply["message"]["role"] == "assistant"
+    for call in reply["message"].get("tool_calls", []):
+        assert call["function"]["name"] == "read_file" and isinstance(call["function"]["arguments"], dict)
+    generate = {"model": served, "prompt": "def fibonacci(n):", "options": CONTINUE_OPTIONS, "keep_alive": 1800,
+                "stream": True}
+    with httpx.stream("POST", server.base_url + "/api/generate", json=generate) as r:
+        chunks = [json.loads(line) for line in r.iter_lines() if line.strip()]
+    assert r.status_code == 200 and chunks[-1]["done"] and "".join(c["response"] for c in chunks)

@@ -186,8 +186,8 @@ def ollama_routes(pool: ModelPool, observe: Any) -> list[HTTPRouteHandler]:
         choice = await off_loop(pool.directory.find, model_name(body), False)
         resident = next((r for r in pool.residents() if r.choice.key == choice.key), None)
         parameters = ""
-        if resident is not None:
-            values = resident.runtime.sampling_defaults.values()
+        if resident is not None:  # Modelfile lines: Continue reads its context length from num_ctx
+            values = {"num_ctx": resident.runtime.ctx, **resident.runtime.sampling_defaults.values()}
             parameters = "\n".join(f"{k} {v}" for k, v in values.items() if v is not None)
         return json_response(await off_loop(show, choice, parameters))
 
