@@ -26,6 +26,7 @@ from tests.wire_check import PATHS, Reply, check_body, check_stream
 
 SERVER_BUDGET = 40  # --reasoning-budget of the servers below
 FOREVER = "hmm " * 4000  # more reasoning than any max_tokens here
+NIHON = "日本語"  # three characters of three bytes, each byte one token of the fixtures' vocabularies
 CLOSES = {"qwen35": "\n</think>\n\n", "gpt-oss": "<|end|><|start|>assistant"}  # what the server forces
 CALL = {"qwen35": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
                   "</tool_call>",
@@ -42,6 +43,7 @@ def script(family: str) -> Script:
     opens, close = OPENS[family], CLOSES[family]
     return Script((Rule("WEATHER", opens + FOREVER, close, CALL[family]),
                    Rule("ANSWER", opens + FOREVER, close, ANSWER[family]),
+                   Rule("NIHON", opens + NIHON * 2000, close, CALL[family]),
                    Rule("TWICE", TWO_CALLS)))
 
 
@@ -122,6 +124,20 @@ def test_a_forced_call_arrives_from_a_model_that_would_reason_forever(served: tu
     assert reply.calls and [(n, json.loads(a)) for n, a in reply.calls] == [("get_weather", {"city": "Paris"})]
     assert reply.finish == FINISHED_BY_CALL[dialect] and not reply.text
     check_budget(family, reply, min(SERVER_BUDGET, think_budget(None, 300, governed=True)))
+
+
+@pytest.mark.parametrize("budget", [10, 11, 12])
+def test_a_budget_that_ends_inside_a_character_closes_after_it(served: tuple[str, Server], budget: int) -> None:
+    """Reasoning in characters of several tokens: the forced close waits for the character to end
+    (a close after a lone lead byte broke the call grammar, and the reply ended without its call)."""
+    family, server = served
+    body = body_for("chat", "NIHON", 300, False, tools=True, forced=True) | {"thinking_token_budget": budget}
+    reply = send(server, "chat", body)
+    assert reply.calls and [(n, json.loads(a)) for n, a in reply.calls] == [("get_weather", {"city": "Paris"})]
+    assert reply.finish == "tool_calls" and not reply.text
+    whole = -(-budget // 3)  # the characters begun within the budget
+    assert reply.reasoning.strip() == (NIHON * 2000)[:whole], reply.reasoning
+    assert reply.reasoning_tokens is None or 3 * whole <= reply.reasoning_tokens <= 3 * whole + close_tokens(family)
 
 
 @pytest.mark.parametrize(("dialect", "fields", "max_tokens", "budget"), [

@@ -152,7 +152,8 @@ class ReplyDecoder:
         elif active is not None and active not in (self._governing, self._waiting):
             return  # a forced close or a guarded call runs to its end
         if self.router.thinking:
-            if self.reasoning_tokens >= self._think_budget and self.plan.close_think:
+            # Not inside a character: a grammar governing the reply refuses a close that cuts one.
+            if self.reasoning_tokens >= self._think_budget and self.plan.close_think and not self.stream.pending:
                 self.constraint = ForcedTokens(self.plan.close_think, under=self.constraint)
         elif self._governing is not None and not self._governing_on:  # the prompt's think block ended
             self._governing_on = True
