@@ -11,7 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from lmserve.engine_cpu import CPUEngine
+from lmserve.engine_cpu import CPUEngine, moe, ops
 from lmserve.engine_cpu.encodings import encode, encoding_of
 from lmserve.engine_cpu.engine import kernels_available
 from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, ExpertStack, MatrixStack, QuantMatrix
@@ -212,3 +212,26 @@ def test_moe_experts_are_kept_one_matrix_per_expert() -> None:
     kept, reference = (engine.prefill(engine.new_cache(64), ids, all_logits=True) for engine in (e, float32))
     np.testing.assert_allclose(kept, reference, rtol=1e-3, atol=2e-3)
     assert e.weight_bytes < float32.weight_bytes / 3
+
+
+def test_a_prompt_chunks_experts_give_each_row_its_experts_own_bits() -> None:
+    """A prompt chunk routes more than KERNEL_ROWS rows to some experts (dequantized for BLAS)
+    and fewer to others (one grouped kernel call): each row's sum is what running its experts one
+    by one and adding their outputs in order gives, so a prompt's logits do not depend on the path."""
+    gguf = GGUFFile(ARCH / "qwen3moe" / "tiny-qwen3moe-Q4_K_M.gguf")
+    config = ModelConfig.from_gguf(gguf)
+    m = CPUEngine(gguf, config).weights.layers[0].experts
+    assert m is not None and isinstance(m.gate_up, ExpertStack)
+    n = KERNEL_ROWS + 12
+    chosen = np.stack([np.zeros(n, np.int64), np.where(np.arange(n) < 10, 1, 2 + np.arange(n) % 2)], axis=1)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n, config.hidden_size)).astype(np.float32)
+    weights = rng.uniform(0.1, 0.9, chosen.shape).astype(np.float32)
+    got = moe._experts(x, m, chosen, weights, ops.silu_mul)
+    expected = np.zeros_like(x)
+    for slot in range(2):  # expert 0 is every row's first choice, so slot order is expert order
+        for expert in np.unique(chosen[:, slot]).tolist():
+            rows = np.flatnonzero(chosen[:, slot] == expert)
+            y = ops.linear(ops.silu_mul(ops.linear(x[rows], m.gate_up[expert])), m.down[expert])
+            expected[rows] += y * weights[rows, slot, None]
+    assert np.array_equal(got, expected)

@@ -50,48 +50,58 @@ def mixture(x: np.ndarray, residual: np.ndarray, m: ExpertWeights, k: int, route
 def _experts(x: np.ndarray, m: ExpertWeights, chosen: np.ndarray, weights: np.ndarray,
              activation: Activation) -> np.ndarray:
     """Each row's chosen experts `[n, k]`, run and summed by `weights` `[n, k]`; each selected
-    expert runs once, on the rows routed to it."""
-    k = chosen.shape[1]
-    flat, flat_weights = chosen.ravel(), weights.ravel()
-    order = np.argsort(flat, kind="stable")  # (row, slot) pairs grouped by expert
-    if isinstance(m.gate_up, ExpertStack) and isinstance(m.down, ExpertStack) and len(x) <= KERNEL_ROWS:
-        return _stacked_experts(x, m, flat[order], order // k, flat_weights[order], activation)
-    counts = np.bincount(flat, minlength=len(m.gate_up))
+    expert runs once, on the rows routed to it. Each row's sum has the bits of adding its experts'
+    outputs to zeros in the experts' order, whatever path computed them."""
+    n, k = chosen.shape
+    order = np.argsort(chosen.ravel(), kind="stable")  # (row, slot) pairs grouped by expert
+    experts, rows = chosen.ravel()[order], order // k  # a row picks an expert at most once
+    bounds = np.flatnonzero(experts[1:] != experts[:-1]) + 1
+    firsts = np.concatenate(([0], bounds, [len(experts)]))
+    y = _expert_outputs(x[rows], m, experts, firsts, activation)
+    y *= weights.ravel()[order, None]
+    by_row = y[np.argsort(rows, kind="stable").reshape(n, k)]  # [n, k, hidden], experts in order
     out = np.zeros_like(x)
-    stop = 0
-    for expert, count in enumerate(counts.tolist()):
-        if not count:
-            continue
-        pairs = order[stop:stop + count]
-        stop += count
-        rows = pairs // k  # distinct: a row picks an expert at most once
-        gate_up = ops.linear(x[rows], m.gate_up[expert])
-        if m.gate_up_bias is not None:
-            gate_up += m.gate_up_bias[expert]
-        y = ops.linear(activation(gate_up), m.down[expert])
-        if m.down_bias is not None:
-            y += m.down_bias[expert]
-        out[rows] += y * flat_weights[pairs, None]
+    for slot in range(k):
+        out += by_row[:, slot]
     return out
 
 
-def _stacked_experts(x: np.ndarray, m: ExpertWeights, experts: np.ndarray, rows: np.ndarray,
-                     weights: np.ndarray, activation: Activation) -> np.ndarray:
-    """`_experts` for a few rows and stacked experts: the (row, expert) pairs sorted by expert
-    (`experts`, `rows`, `weights` per pair) run in one grouped kernel call per matrix; each row's
-    sum has the bits the loop gives it (its experts' outputs added to zeros in the experts' order)."""
-    bounds = np.flatnonzero(experts[1:] != experts[:-1]) + 1
-    firsts = np.concatenate(([0], bounds, [len(experts)]))
-    groups = experts[firsts[:-1]]
-    gate_up = m.gate_up.times_grouped(x[rows], groups, firsts)
+def _expert_outputs(xs: np.ndarray, m: ExpertWeights, experts: np.ndarray, firsts: np.ndarray,
+                    activation: Activation) -> np.ndarray:
+    """Each row of `xs` through its expert (`experts`, sorted; group g is rows `firsts[g]:firsts[g +
+    1]`). Stacked experts with at most KERNEL_ROWS rows run in one grouped kernel call per matrix
+    (a decode step's, and most of a prompt chunk's when experts are many); larger groups dequantize
+    for BLAS one expert at a time, as `QuantMatrix.times` would. Either way a row gets the bits its
+    expert's own product gives it."""
+    sizes = np.diff(firsts)
+    small = sizes <= KERNEL_ROWS
+    if not (isinstance(m.gate_up, ExpertStack) and isinstance(m.down, ExpertStack)):
+        small[:] = False
+    out = np.empty_like(xs)
+    if small.any():
+        in_small = np.repeat(small, sizes)
+        groups, ends = experts[firsts[:-1]][small], np.cumsum(sizes[small])
+        out[in_small] = _grouped_ffn(xs[in_small], m, experts[in_small], groups,
+                                     np.concatenate(([0], ends)), activation)
+    for group in np.flatnonzero(~small).tolist():
+        start, stop, expert = firsts[group], firsts[group + 1], int(experts[firsts[group]])
+        gate_up = ops.linear(xs[start:stop], m.gate_up[expert])
+        if m.gate_up_bias is not None:
+            gate_up += m.gate_up_bias[expert]
+        out[start:stop] = ops.linear(activation(gate_up), m.down[expert])
+        if m.down_bias is not None:
+            out[start:stop] += m.down_bias[expert]
+    return out
+
+
+def _grouped_ffn(xs: np.ndarray, m: ExpertWeights, experts: np.ndarray, groups: np.ndarray,
+                 firsts: np.ndarray, activation: Activation) -> np.ndarray:
+    """`_expert_outputs` for stacked experts of at most KERNEL_ROWS rows each: one grouped
+    kernel call for gate/up, one for down."""
+    gate_up = m.gate_up.times_grouped(xs, groups, firsts)
     if m.gate_up_bias is not None:
         gate_up += m.gate_up_bias[experts]
     y = m.down.times_grouped(activation(gate_up), groups, firsts)
     if m.down_bias is not None:
         y += m.down_bias[experts]
-    y *= weights[:, None]
-    by_row = y[np.argsort(rows, kind="stable").reshape(len(x), -1)]  # [n, k, hidden], experts in order
-    out = np.zeros_like(x)
-    for slot in range(by_row.shape[1]):
-        out += by_row[:, slot]
-    return out
+    return y
