@@ -74,9 +74,8 @@ def _expert_outputs(xs: np.ndarray, m: ExpertWeights, experts: np.ndarray, first
     for BLAS one expert at a time, as `QuantMatrix.times` would. Either way a row gets the bits its
     expert's own product gives it."""
     sizes = np.diff(firsts)
-    small = sizes <= KERNEL_ROWS
-    if not (isinstance(m.gate_up, ExpertStack) and isinstance(m.down, ExpertStack)):
-        small[:] = False
+    stacked = isinstance(m.gate_up, ExpertStack) and isinstance(m.down, ExpertStack)
+    small = (sizes <= KERNEL_ROWS) & stacked
     if small.all():  # every decode step
         return _grouped_ffn(xs, m, experts, experts[firsts[:-1]], firsts, activation)
     out = np.empty_like(xs)
