@@ -26,6 +26,9 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.test_quant_blocks import HALF_FIELDS  # noqa: E402  (each type's float16 fields)
+
 Q = GGMLQuantizationType
 CHILD = """
 import json, sys, time
@@ -67,10 +70,15 @@ HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 2048, 5632, 32, 4, 32000
 
 
 def random_blocks(rows: int, cols: int, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
-    """Stored bytes of a `rows x cols` matrix of `qtype` with random quants (scales random too:
-    loading never computes with them)."""
+    """Stored bytes of a `rows x cols` matrix of `qtype` with random quants, and float16 scale
+    fields small and finite as a real file's (the NumPy engine keeps the legacy types' scales as
+    float16, refusing any that would not be exact)."""
     block, size = GGML_QUANT_SIZES[qtype]
-    return rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+    blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    for start in HALF_FIELDS.get(qtype, ()):
+        halves = rng.uniform(-0.05, 0.05, size=len(blocks)).astype(np.float16)
+        blocks[:, start:start + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
 
 
 def write_model(path: Path, qtype: GGMLQuantizationType, layers: int, seed: int = 0) -> None:

@@ -8,13 +8,14 @@ from functools import cache
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from lmserve.engine_cpu import CPUEngine, moe, ops
 from lmserve.engine_cpu.encodings import encode, encoding_of
 from lmserve.engine_cpu.engine import kernels_available
 from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, ExpertStack, MatrixStack, QuantMatrix
+from lmserve.engine_cpu.quant_blocks import FACTORED_TYPES
 from lmserve.model.config import ModelConfig
 from lmserve.model.default_model import default_model_path
 from lmserve.model.gguf_file import GGUFFile
@@ -33,7 +34,7 @@ def random_matrix(rows: int, columns: int, block: int, seed: int = 0) -> tuple[Q
     scale = rng.uniform(0.001, 0.02, (rows, columns // block)).astype(np.float32)
     offset = rng.uniform(-0.3, 0.3, (rows, columns // block)).astype(np.float32)
     values = q.reshape(rows, -1, block) * scale[:, :, None] + offset[:, :, None]
-    return QuantMatrix(q, scale, offset), values.reshape(rows, columns).astype(np.float32)
+    return QuantMatrix(q, scale, offset, np.empty((rows, 0), np.float32)), values.reshape(rows, columns).astype(np.float32)
 
 
 def test_the_kernels_run_here() -> None:
@@ -150,6 +151,47 @@ def test_every_encoding_multiplies_as_its_values(qtype: GGMLQuantizationType) ->
         np.testing.assert_allclose(matrix.times(x), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
     ids = np.array([0, 36, 5])
     np.testing.assert_allclose(matrix[ids], values[ids], rtol=1e-6, atol=1e-6 * float(np.abs(values).max()))
+
+
+@pytest.mark.parametrize("qtype", ENCODED_TYPES, ids=lambda t: t.name)
+def test_compact_scales_give_the_float32_scales_bits(qtype: GGMLQuantizationType) -> None:
+    """float16 scales (the legacy types' own fields) and the K-quants' int8 multiples of a factor
+    per 256 values give every product and dequantized row the bits of float32 scales and offsets.
+    Rows of 19 blocks of 32 leave three float16 scales past the kernels' groups of 8."""
+    columns = 512 if qtype in FACTORED_TYPES else 19 * 32
+    matrix, _ = encoded_matrix(qtype, 37, columns)
+    scale, offset = (values(matrix, which) for which in (0, 1))
+    wide = QuantMatrix(matrix.q, scale, offset, np.empty((37, 0), np.float32))
+    assert matrix.nbytes < wide.nbytes or qtype == T.MXFP4
+    assert scale.shape == (37, columns // matrix.block)
+    for rows in (1, 4, 7, KERNEL_ROWS + 1):
+        x = np.random.default_rng(rows).standard_normal((rows, columns)).astype(np.float32)
+        assert np.array_equal(matrix.times(x), wide.times(x))
+    ids = np.arange(37)
+    assert np.array_equal(matrix[ids], wide[ids])
+
+
+def values(matrix: QuantMatrix, which: int) -> np.ndarray:
+    """`matrix`'s scales (`which` 0) or offsets (1) as float32, from whichever form they are kept in."""
+    part = (matrix.scale, matrix.offset)[which]
+    if part.dtype == np.float32:
+        return part
+    if part.dtype == np.int16:
+        return part.view(np.float16).astype(np.float32)
+    factors = matrix.supers[:, which::2]
+    return np.repeat(factors, part.shape[1] // factors.shape[1], axis=1) * part.astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", ENCODED_TYPES, ids=lambda t: t.name)
+def test_kept_bytes_are_what_the_encoding_says(qtype: GGMLQuantizationType) -> None:
+    """What the RAM guard prices (`Encoding.bytes_per_value`) is what a matrix takes, and 4-bit
+    K-quants and Q4_1 take within 6% of the file's bytes."""
+    matrix, _ = encoded_matrix(qtype, 8, 512)
+    encoding = encoding_of(qtype, 512)
+    assert matrix.nbytes == encoding.bytes_per_value * 8 * 512
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if qtype in (T.Q4_K, T.Q4_1):
+        assert matrix.nbytes <= 1.06 * (8 * 512 // block * type_size)
 
 
 def test_types_of_at_most_four_bits_take_half_a_byte_a_value() -> None:

@@ -9,7 +9,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from lmserve.engine_cpu.quant_blocks import SUPPORTED, unpack
+from lmserve.engine_cpu.quant_blocks import FACTORED_TYPES, SUPPORTED, unpack, unpack_factored
 from lmserve.model.gguf_file import GGUFFile
 from tests.conftest import TINY_LLAMA
 
@@ -104,6 +104,27 @@ def test_q_ranges() -> None:
 def test_symmetric_types_have_zero_offset() -> None:
     for qtype in (T.Q4_0, T.Q5_0, T.Q8_0, T.Q6_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4):
         assert not unpack(random_blocks(qtype, 1, 256), qtype, 256)[2].any()
+
+
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED, key=lambda t: t.name), ids=lambda t: t.name)
+def test_factored_scales_multiply_to_the_same_bits(qtype: GGMLQuantizationType) -> None:
+    """The K-quants' sub-block scales and offsets, kept as int8 multiples of a float32 factor per
+    256 values, give exactly the float32 scales and offsets `unpack` forms; other types unfactored."""
+    raw = random_blocks(qtype, 3, 1024, seed=9)
+    q, scale, offset = unpack(raw, qtype, 1024)
+    parts = unpack_factored(raw, qtype, 1024)
+    np.testing.assert_array_equal(parts[0], q)
+    if qtype not in FACTORED_TYPES:
+        assert len(parts) == 3
+        np.testing.assert_array_equal(parts[1], scale)
+        np.testing.assert_array_equal(parts[2], offset)
+        return
+    _, scale_subs, offset_subs, supers = parts
+    assert scale_subs.dtype == offset_subs.dtype == np.int8 and supers.shape == (3, 2 * 1024 // 256)
+    per = scale.shape[1] // (1024 // 256)
+    for subs, factors, want in ((scale_subs, supers[:, 0::2], scale), (offset_subs, supers[:, 1::2], offset)):
+        got = np.repeat(factors, per, axis=1) * subs.astype(np.float32)
+        assert np.array_equal(got, want)
 
 
 def test_unsupported_types() -> None:

@@ -10,6 +10,10 @@ keeps the file's own values in the fewest bytes the kernels can read (`qmatrix.E
 - every other type `quant_blocks` unpacks (5-, 6- and 8-bit, the IQ4 and MXFP4 tables): int8.
 - F16 and BF16: their own 2-byte values (scale 1, offset 0 per 32).
 
+Scales and offsets (`qmatrix.SCALE_FORMS`): the K-quants' and IQ4_XS's as int8 multiples of a
+float32 factor per 256 values (1 byte a block each, 8 a superblock), MXFP4's powers of two as
+float32, every other type's as float16 (the file's own fields, or 1 and 0): all exact.
+
 Anything else (F32, other types, tensors whose rows are not whole blocks) is float32.
 """
 
@@ -20,55 +24,86 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from lmserve.engine_cpu.qmatrix import BFLOAT, ENCODINGS, HALF, INT8, NIBBLES
-from lmserve.engine_cpu.quant_blocks import SUPPORTED, unpack
+from lmserve.engine_cpu.qmatrix import (
+    BFLOAT,
+    ENCODINGS,
+    FACTORED,
+    FLOAT,
+    HALF,
+    HALF_SCALES,
+    INT8,
+    NIBBLES,
+    SUPERBLOCK,
+)
+from lmserve.engine_cpu.quant_blocks import FACTORED_TYPES, SUPPORTED, unpack_factored
 
 _T = GGMLQuantizationType
 # Types packed as nibbles -> the level their unpacked int8 values are centered on.
 PACKED_ZERO = {_T.Q4_0: 8, _T.Q4_1: 0, _T.Q4_K: 0, _T.Q3_K: 4, _T.Q2_K: 0}
 _FLOATS = {_T.F16: HALF, _T.BF16: BFLOAT}
 FLOAT_BLOCK = 32  # F16/BF16: values per (unit) scale, the kernels' block
-SCALE_BYTES = 8  # a float32 scale and offset per block
 
-Parts = tuple[np.ndarray, np.ndarray, np.ndarray]
+Parts = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # QuantMatrix.arrays
 
 
 @dataclass(frozen=True)
 class Encoding:
-    """A matrix's form in memory: its values' dtype and the values per scale."""
+    """A matrix's form in memory: its values' dtype, the values per scale and the scales' form."""
 
     dtype: np.dtype
     block: int
+    scales: np.dtype
 
     @property
     def bytes_per_value(self) -> float:
-        return self.dtype.itemsize / ENCODINGS[self.dtype] + SCALE_BYTES / self.block
+        supers = 2 * 4 / SUPERBLOCK if self.scales == FACTORED else 0.0
+        return self.dtype.itemsize / ENCODINGS[self.dtype] + 2 * self.scales.itemsize / self.block + supers
 
 
 def encoding_of(qtype: GGMLQuantizationType, columns: int) -> Encoding | None:
     """How a matrix of `qtype` with rows of `columns` values is kept (None: as float32)."""
-    if qtype in PACKED_ZERO:
-        return Encoding(NIBBLES, SUPPORTED[qtype])
-    if qtype in SUPPORTED:
-        return Encoding(INT8, SUPPORTED[qtype])
-    if qtype in _FLOATS and columns % FLOAT_BLOCK == 0:
-        return Encoding(_FLOATS[qtype], FLOAT_BLOCK)
-    return None
+    if qtype in _FLOATS:
+        return Encoding(_FLOATS[qtype], FLOAT_BLOCK, HALF_SCALES) if columns % FLOAT_BLOCK == 0 else None
+    if qtype not in SUPPORTED:
+        return None
+    scales = FACTORED if qtype in FACTORED_TYPES else FLOAT if qtype == _T.MXFP4 else HALF_SCALES
+    return Encoding(NIBBLES if qtype in PACKED_ZERO else INT8, SUPPORTED[qtype], scales)
 
 
 def encode(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> Parts:
-    """Raw GGUF rows (uint8 `[n, bytes a row]`) -> `q`, `scale`, `offset` as `encoding_of` keeps them."""
+    """Raw GGUF rows (uint8 `[n, bytes a row]`) -> `q`, `scale`, `offset`, `supers` as
+    `encoding_of` keeps them."""
     if qtype in _FLOATS:
         q = np.ascontiguousarray(rows).view(_FLOATS[qtype]).reshape(len(rows), columns)
         blocks = (len(rows), columns // FLOAT_BLOCK)
-        return q, np.ones(blocks, np.float32), np.zeros(blocks, np.float32)
-    q, scale, offset = unpack(rows, qtype, columns)
-    if qtype not in PACKED_ZERO:
-        return q, scale, offset
-    zero = PACKED_ZERO[qtype]
-    levels = q.view(np.uint8) + np.uint8(zero)  # 0..15 (uint8 arithmetic wraps -8..-1 right)
-    if zero:
+        return q, _halves(np.ones(blocks, np.float32)), _halves(np.zeros(blocks, np.float32)), _no_supers(len(rows))
+    q, scale, offset, *supers = unpack_factored(rows, qtype, columns)
+    zero = PACKED_ZERO.get(qtype, 0)
+    if zero and supers:  # Q3_K: `s*(q-4)` = `s*q - 4*s`, the offset's factor -4 times the scale's
+        offset = scale
+        supers[0][:, 1::2] = np.float32(-zero) * supers[0][:, 0::2]
+    elif zero:  # Q4_0
         offset = offset - np.float32(zero) * scale
-    pairs = levels.reshape(len(q), -1, 2, 16)  # each block of 32: values 0-15, then 16-31
-    packed = pairs[:, :, 0] | (pairs[:, :, 1] << np.uint8(4))
-    return packed.reshape(len(q), -1), scale, offset
+    if qtype in PACKED_ZERO:
+        levels = q.view(np.uint8) + np.uint8(zero)  # 0..15 (uint8 arithmetic wraps -8..-1 right)
+        pairs = levels.reshape(len(q), -1, 2, 16)  # each block of 32: values 0-15, then 16-31
+        q = (pairs[:, :, 0] | (pairs[:, :, 1] << np.uint8(4))).reshape(len(q), -1)
+    if supers:
+        return q, scale, offset, supers[0]
+    if encoding_of(qtype, columns).scales == HALF_SCALES:
+        scale, offset = _halves(scale), _halves(offset)
+    return q, scale, offset, _no_supers(len(q))
+
+
+def _halves(values: np.ndarray) -> np.ndarray:
+    """float32 values as float16 bits; the legacy types' scales are float16 fields, so exact
+    (a Q4_0 scale past 8188 would overflow its offset of -8 scales: refused)."""
+    with np.errstate(over="ignore"):
+        halves = values.astype(np.float16)
+    if not np.array_equal(halves.astype(np.float32), values, equal_nan=True):
+        raise ValueError("a block's scale or offset does not fit float16 (a Q4_0 scale past 8188?)")
+    return halves.view(HALF_SCALES)
+
+
+def _no_supers(rows: int) -> np.ndarray:
+    return np.empty((rows, 0), FLOAT)

@@ -38,7 +38,7 @@ from lmserve.engine_cpu.cache import CPUCache, Layout
 from lmserve.engine_cpu.ffn import feed_forward
 from lmserve.engine_cpu.qmatrix import KERNEL_ROWS
 from lmserve.engine_cpu.threads import ThreadTuner, blas_threads
-from lmserve.engine_cpu.weights import DeltaNetWeights, kept_dtypes, load_weights, stacked_dtypes
+from lmserve.engine_cpu.weights import DeltaNetWeights, kept_forms, load_weights, stacked_forms
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile
 
@@ -76,7 +76,7 @@ class CPUEngine(Engine[CPUCache]):
         if quantized:
             from lmserve.engine_cpu import kernels
 
-            self.prepared = kernels.prepare(kept_dtypes(self.weights), stacked_dtypes(self.weights))
+            self.prepared = kernels.prepare(kept_forms(self.weights), stacked_forms(self.weights))
             blas, most = blas_threads(), kernels.most_threads()
 
             def apply(count: int, wide: bool) -> None:

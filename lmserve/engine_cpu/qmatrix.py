@@ -1,12 +1,14 @@
-"""A weight matrix kept as its GGUF quants: values, a float32 scale and offset per block.
+"""A weight matrix kept as its GGUF quants: values, and a scale and offset per block.
 
 Every value is `scale * q + offset` of its block, the value the file's own dequantizer gives, so
 the model is the file's, not a re-quantization of it; only the products' rounding differs from
 float32 BLAS. How `q` holds the values is its dtype (`ENCODINGS`): 4-bit types as packed nibbles
-(half a byte a value), other quants as int8, float16 and bfloat16 as their own bits. Decode-sized
-products (up to KERNEL_ROWS rows) run the compiled kernels, which read the values where they lie
-(0.75-2.25 bytes a value instead of float32's 4); wider ones (prompt chunks) dequantize a tile of rows at a
-time into float32 and hand it to BLAS, whose matrix product then costs more than the conversion.
+(half a byte a value), other quants as int8, float16 and bfloat16 as their own bits. How the
+scales and offsets are held is theirs (`SCALE_FORMS`), each the fewest bytes that give the
+file's float32 scale exactly. Decode-sized products (up to KERNEL_ROWS rows) run the compiled
+kernels, which read the values where they lie (0.59-2.1 bytes a value instead of float32's 4);
+wider ones (prompt chunks) dequantize a tile of rows at a time into float32 and hand it to BLAS,
+whose matrix product then costs more than the conversion.
 """
 
 from __future__ import annotations
@@ -31,21 +33,38 @@ HALF = np.dtype(np.int16)  # float16 bits
 BFLOAT = np.dtype(np.uint16)  # bfloat16 bits
 ENCODINGS = {INT8: 1, NIBBLES: 2, HALF: 1, BFLOAT: 1}
 
+# `scale`'s (and `offset`'s) dtype -> their form; the kernels read each their own way.
+FLOAT = np.dtype(np.float32)  # the values
+HALF_SCALES = np.dtype(np.int16)  # float16 bits (the legacy types' scales are float16 fields)
+# int8 multiples of a float32 factor per SUPERBLOCK values in `supers` (the K-quants' int8 sub-block
+# scales times a float16 one per 256 values: exact in float32).
+FACTORED = np.dtype(np.int8)
+SUPERBLOCK = 256
+SCALE_FORMS = (FLOAT, HALF_SCALES, FACTORED)
+
 
 @dataclass(frozen=True)
 class QuantMatrix:
-    """`[out, in]` weights: `q` `[out, in // ENCODINGS[q.dtype]]`, `scale` and `offset` float32
-    `[out, in // block]`."""
+    """`[out, in]` weights: `q` `[out, in // ENCODINGS[q.dtype]]`, `scale` and `offset`
+    `[out, in // block]` in one of SCALE_FORMS, and for FACTORED ones `supers` float32
+    `[out, 2 * in // SUPERBLOCK]`, each superblock's scale factor then its offset factor
+    (`[out, 0]` for the other forms)."""
 
     q: np.ndarray
     scale: np.ndarray
     offset: np.ndarray
+    supers: np.ndarray
 
     @classmethod
-    def empty(cls, rows: int, columns: int, block: int, dtype: np.dtype = INT8) -> QuantMatrix:
-        blocks = columns // block
-        return cls(np.empty((rows, columns // ENCODINGS[dtype]), dtype), np.empty((rows, blocks), np.float32),
-                   np.empty((rows, blocks), np.float32))
+    def empty(cls, rows: int, columns: int, block: int, dtype: np.dtype = INT8, scales: np.dtype = FLOAT) -> QuantMatrix:
+        blocks, supers = columns // block, 2 * columns // SUPERBLOCK if scales == FACTORED else 0
+        return cls(np.empty((rows, columns // ENCODINGS[dtype]), dtype), np.empty((rows, blocks), scales),
+                   np.empty((rows, blocks), scales), np.empty((rows, supers), np.float32))
+
+    @property
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The arrays, in the kernels' argument order."""
+        return self.q, self.scale, self.offset, self.supers
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -57,21 +76,21 @@ class QuantMatrix:
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes + self.offset.nbytes
+        return sum(part.nbytes for part in self.arrays)
 
     def __len__(self) -> int:
         return len(self.q)
 
     def rows(self, start: int, stop: int) -> QuantMatrix:
         """Rows `start:stop` as views (loading fills fused matrices a tensor at a time)."""
-        return QuantMatrix(self.q[start:stop], self.scale[start:stop], self.offset[start:stop])
+        return QuantMatrix(*(part[start:stop] for part in self.arrays))
 
     def __getitem__(self, ids: np.ndarray) -> np.ndarray:
         """Rows `ids` in float32: the embedding lookup."""
         from lmserve.engine_cpu import kernels
 
         out = np.empty((len(ids), self.shape[1]), np.float32)
-        kernels.dequantize(self.q[ids], self.scale[ids], self.offset[ids], out)
+        kernels.dequantize(*(part[ids] for part in self.arrays), out)
         return out
 
     def times(self, x: np.ndarray) -> np.ndarray:
@@ -80,16 +99,16 @@ class QuantMatrix:
 
         x = np.ascontiguousarray(x, dtype=np.float32)
         if len(x) <= KERNEL_ROWS:
-            return kernels.times(x, self.q, self.scale, self.offset)
+            return kernels.times(x, *self.arrays)
         step = max(1, TILE_VALUES // self.shape[1])
         tile = np.empty((min(step, len(self)), self.shape[1]), np.float32)
         if step >= len(self):  # one tile: BLAS writes the result itself
-            kernels.dequantize(self.q, self.scale, self.offset, tile)
+            kernels.dequantize(*self.arrays, tile)
             return x @ tile.T
         out = np.empty((len(x), len(self)), np.float32)
         for start in range(0, len(self), step):
             part = self.rows(start, start + step)
-            kernels.dequantize(part.q, part.scale, part.offset, tile[:len(part)])
+            kernels.dequantize(*part.arrays, tile[:len(part)])
             out[:, start:start + len(part)] = x @ tile[:len(part)].T
         return out
 
@@ -148,9 +167,9 @@ class ExpertStack:
         (at most KERNEL_ROWS rows each)."""
         from lmserve.engine_cpu import kernels
 
-        w, shape = self.whole, (self.experts, self.rows_each, -1)
-        return kernels.grouped_times(np.ascontiguousarray(x, dtype=np.float32), w.q.reshape(shape),
-                                     w.scale.reshape(shape), w.offset.reshape(shape), experts, firsts)
+        shape = (self.experts, self.rows_each, -1)
+        return kernels.grouped_times(np.ascontiguousarray(x, dtype=np.float32),
+                                     *(part.reshape(shape) for part in self.whole.arrays), experts, firsts)
 
 
 Matrix = np.ndarray | QuantMatrix | MatrixStack  # a weight matrix as the forward pass reads it

@@ -24,11 +24,16 @@ Per type (`B` the block size of the unpacked scales):
   bits in scales_l, 2 high in scales_h): q the IQ4_NL table value, scale `d*(ls-32)`, offset 0 (B=32).
 - MXFP4 `2^(e-128) * kvalues[nibble]` with an E8M0 exponent byte e and the doubled e2m1 values
   (-12..12): q the table value, scale the power of two (exact), offset 0 (B=32).
+
+The K-quants and IQ4_XS (FACTORED_TYPES) form each sub-block's scale and offset as a float16 of
+the superblock times a small integer; `unpack_factored` gives those two factors apart (`Factors`),
+which the engine keeps in 1 byte a sub-block and 4 a superblock instead of 4 a sub-block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
@@ -51,7 +56,27 @@ SUPPORTED: dict[GGMLQuantizationType, int] = {
     _T.MXFP4: 32,
 }
 
+FACTORED_TYPES = frozenset({_T.Q4_K, _T.Q5_K, _T.Q6_K, _T.Q2_K, _T.Q3_K, _T.IQ4_XS})
+
+
+@dataclass(frozen=True)
+class Factors:
+    """Superblocks' sub-block scales (or offsets) as int8 multiples `sub [n, per]` of a float32
+    factor `sup [n]` each; every product is exact in float32 (a float16 times at most 8 bits)."""
+
+    sub: np.ndarray
+    sup: np.ndarray
+
+    def values(self) -> np.ndarray:
+        return self.sup[:, None] * self.sub.astype(np.float32)
+
+    @classmethod
+    def zeros(cls, n: int, per: int) -> Factors:
+        return cls(np.zeros((n, per), np.int8), np.zeros(n, np.float32))
+
+
 Unpacked = tuple[np.ndarray, np.ndarray, np.ndarray]
+Blocks = tuple[np.ndarray, np.ndarray | Factors, np.ndarray | Factors]  # what a type's unpacker gives
 
 # The 16-entry int8 tables of the non-linear 4-bit types (gguf.quants.IQ4_NL.kvalues, MXFP4.kvalues:
 # e2m1 values doubled).
@@ -64,6 +89,26 @@ def unpack(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> Unpac
     Returns q int8 [n_rows, columns], scale float32 [n_rows, columns // B], offset float32
     [n_rows, columns // B] with B = SUPPORTED[qtype], such that scale*q + offset reproduces
     gguf.quants.dequantize."""
+    q, scale, offset = _unpack_blocks(rows, qtype, columns)
+    n_rows = len(rows)
+    flat = (f.values() if isinstance(f, Factors) else f for f in (scale, offset))
+    return q.reshape(n_rows, columns), *(f.reshape(n_rows, -1) for f in flat)
+
+
+def unpack_factored(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> tuple[np.ndarray, ...]:
+    """`unpack`, but FACTORED_TYPES' scale and offset as int8 `[n_rows, columns // B]` each, and
+    `supers` float32 `[n_rows, 2 * superblocks]`: each superblock's scale factor, then its offset
+    factor (`sup * sub` is `unpack`'s value). Other types as `unpack` gives them."""
+    q, scale, offset = _unpack_blocks(rows, qtype, columns)
+    n_rows = len(rows)
+    if not isinstance(scale, Factors) or not isinstance(offset, Factors):
+        return q.reshape(n_rows, columns), scale.reshape(n_rows, -1), offset.reshape(n_rows, -1)
+    supers = np.stack([scale.sup, offset.sup], axis=-1).reshape(n_rows, -1)
+    return q.reshape(n_rows, columns), scale.sub.reshape(n_rows, -1), offset.sub.reshape(n_rows, -1), supers
+
+
+def _unpack_blocks(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> Blocks:
+    """The checks of `unpack`, then the type's unpacker over every block of `rows`."""
     if qtype not in SUPPORTED:
         raise ValueError(f"unpack does not support {qtype.name}; supported: {', '.join(t.name for t in SUPPORTED)}")
     block, type_size = GGML_QUANT_SIZES[qtype]
@@ -75,9 +120,7 @@ def unpack(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> Unpac
     if rows.ndim != 2 or rows.shape[1] != columns // block * type_size:
         raise ValueError(f"{qtype.name}: rows of shape {rows.shape} do not hold {columns} values each "
                          f"(expected [n_rows, {columns // block * type_size}])")
-    n_rows = rows.shape[0]
-    q, scale, offset = _UNPACKERS[qtype](rows.reshape(-1, type_size))
-    return q.reshape(n_rows, columns), scale.reshape(n_rows, -1), offset.reshape(n_rows, -1)
+    return _UNPACKERS[qtype](rows.reshape(-1, type_size))
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -179,23 +222,20 @@ def _q8_0(blocks: np.ndarray) -> Unpacked:
     return q, d, _zeros(len(blocks), 1)
 
 
-def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K header (d, dmin, 12 scale bytes) -> scale d*sc and offset -(dmin*m), [n, 8]."""
+def _k_scales(blocks: np.ndarray) -> tuple[Factors, Factors]:
+    """Q4_K/Q5_K header (d, dmin, 12 scale bytes) -> scale d*sc and offset -dmin*m, [n, 8]."""
     d, dmin = _half(blocks, 0), _half(blocks, 2)
     sc, mn = _k_scale_min(blocks[:, 4:16])
-    scale = d[:, None] * sc.astype(np.float32)
-    offset = dmin[:, None] * mn.astype(np.float32)
-    np.negative(offset, out=offset)
-    return scale, offset
+    return Factors(sc.view(np.int8), d), Factors(mn.view(np.int8), -dmin)
 
 
-def _q4_k(blocks: np.ndarray) -> Unpacked:
+def _q4_k(blocks: np.ndarray) -> Blocks:
     scale, offset = _k_scales(blocks)
     q = _nibbles(blocks[:, 16:], QK_K // 64, 32)  # [n, 4, 2, 32] = sub-blocks 0..7 of 32
     return q.view(np.int8), scale, offset
 
 
-def _q5_k(blocks: np.ndarray) -> Unpacked:
+def _q5_k(blocks: np.ndarray) -> Blocks:
     scale, offset = _k_scales(blocks)
     qh = np.ascontiguousarray(blocks[:, 16:48])  # bit i of byte l: high bit of sub-block i, value l
     q = _nibbles(blocks[:, 48:], QK_K // 64, 32).reshape(-1, 8, 32)
@@ -204,9 +244,9 @@ def _q5_k(blocks: np.ndarray) -> Unpacked:
     return q.view(np.int8), scale, offset
 
 
-def _q6_k(blocks: np.ndarray) -> Unpacked:
+def _q6_k(blocks: np.ndarray) -> Blocks:
     ql, qh = blocks[:, :128], blocks[:, 128:192]
-    sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
+    sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8)
     d = _half(blocks, 208)
     q = _nibbles(ql, 2, 64).reshape(-1, 2, 4, 32)  # each half's 128 values: 4 runs of 32
     qh = qh.reshape(-1, 2, 1, 32)
@@ -215,20 +255,17 @@ def _q6_k(blocks: np.ndarray) -> Unpacked:
         np.right_shift(qh[:, :, 0], np.uint8(2 * k), out=hi[:, :, k])
     np.bitwise_and(hi, np.uint8(0x03), out=hi)
     _add_high_bits(q, hi, 4)
-    return _center(q, 32), d[:, None] * sc, _zeros(len(blocks), QK_K // 16)
+    return _center(q, 32), Factors(sc, d), Factors.zeros(len(blocks), QK_K // 16)
 
 
-def _q2_k(blocks: np.ndarray) -> Unpacked:
+def _q2_k(blocks: np.ndarray) -> Blocks:
     sc = blocks[:, :16]
     d, dmin = _half(blocks, 80), _half(blocks, 82)
-    scale = d[:, None] * (sc & 0x0F).astype(np.float32)
-    offset = dmin[:, None] * (sc >> 4).astype(np.float32)
-    np.negative(offset, out=offset)
     q = _crumbs(blocks[:, 16:80], 2)  # [n, 2, 4, 32] = sub-blocks 0..15 of 16
-    return q.view(np.int8), scale, offset
+    return q.view(np.int8), Factors((sc & 0x0F).view(np.int8), d), Factors((sc >> 4).view(np.int8), -dmin)
 
 
-def _q3_k(blocks: np.ndarray) -> Unpacked:
+def _q3_k(blocks: np.ndarray) -> Blocks:
     hmask, packed = blocks[:, :32], blocks[:, 96:108]
     d = _half(blocks, 108)
     # 6-bit scales: low nibbles of bytes 0..7 then their high nibbles; the top 2 bits are the 2-bit
@@ -242,7 +279,7 @@ def _q3_k(blocks: np.ndarray) -> Unpacked:
     np.bitwise_xor(bits, np.uint8(1), out=bits)  # subtract 4 where the hmask bit is clear
     np.left_shift(bits, np.uint8(2), out=bits)
     np.subtract(q, bits, out=q)
-    return q.view(np.int8), d[:, None] * sc.astype(np.float32), _zeros(len(blocks), QK_K // 16)
+    return q.view(np.int8), Factors(sc, d), Factors.zeros(len(blocks), QK_K // 16)
 
 
 def _iq4_nl(blocks: np.ndarray) -> Unpacked:
@@ -251,7 +288,7 @@ def _iq4_nl(blocks: np.ndarray) -> Unpacked:
     return q, d, _zeros(len(blocks), 1)
 
 
-def _iq4_xs(blocks: np.ndarray) -> Unpacked:
+def _iq4_xs(blocks: np.ndarray) -> Blocks:
     d = _half(blocks, 0)
     scales_h = np.ascontiguousarray(blocks[:, 2:4]).view(np.uint16)  # [n, 1]
     scales_l = _nibbles(blocks[:, 4:8], 4, 1).reshape(-1, 8)  # sub-block 2i: low nibble of byte i
@@ -259,7 +296,7 @@ def _iq4_xs(blocks: np.ndarray) -> Unpacked:
     high = ((scales_h >> shifts) & np.uint16(0x03)).astype(np.uint8)
     ls = (scales_l | (high << 4)).view(np.int8) - np.int8(32)
     q = _lookup(_IQ4_VALUES, _nibbles(blocks[:, 8:], 8, 16))  # [n, 8, 2, 16] = sub-blocks of 32
-    return q, d[:, None] * ls.astype(np.float32), _zeros(len(blocks), QK_K // 32)
+    return q, Factors(ls, d), Factors.zeros(len(blocks), QK_K // 32)
 
 
 def _mxfp4(blocks: np.ndarray) -> Unpacked:
@@ -269,7 +306,7 @@ def _mxfp4(blocks: np.ndarray) -> Unpacked:
     return q, scale, _zeros(len(blocks), 1)
 
 
-_UNPACKERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Unpacked]] = {
+_UNPACKERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Blocks]] = {
     _T.Q4_0: _q4_0,
     _T.Q4_1: _q4_1,
     _T.Q5_0: _q5_0,

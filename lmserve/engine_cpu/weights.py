@@ -31,6 +31,7 @@ import math
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields, is_dataclass
+from typing import TypeVar
 
 import numpy as np
 import psutil
@@ -38,7 +39,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES
 from gguf import quants as gguf_quants
 
 from lmserve.engine_cpu.encodings import Encoding, encode, encoding_of
-from lmserve.engine_cpu.qmatrix import ENCODINGS, ExpertStack, Matrix, MatrixStack, QuantMatrix
+from lmserve.engine_cpu.qmatrix import ExpertStack, Matrix, MatrixStack, QuantMatrix
 from lmserve.model.config import ROPE_INTERLEAVED, ModelConfig
 from lmserve.model.families import ROUTE_GEMMA4
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
@@ -152,15 +153,27 @@ class ModelWeights:
         return sum(a.nbytes for a in arrays.values())
 
 
+T = TypeVar("T")
+
+
 def _arrays(items: Iterable[object]) -> Iterator[np.ndarray]:
     """Every array in `items` and in the weight dataclasses and lists they hold, however nested."""
+    return _leaves(items, np.ndarray)
+
+
+def _quant_matrices(items: Iterable[object]) -> Iterator[QuantMatrix]:
+    return _leaves(items, QuantMatrix)
+
+
+def _leaves(items: Iterable[object], kind: type[T]) -> Iterator[T]:
+    """Every `kind` in `items` and in the dataclasses and lists they hold, however nested."""
     for item in items:
-        if isinstance(item, np.ndarray):
+        if isinstance(item, kind):
             yield item
         elif isinstance(item, list | tuple):
-            yield from _arrays(item)
+            yield from _leaves(item, kind)
         elif is_dataclass(item):
-            yield from _arrays(getattr(item, f.name) for f in fields(item))
+            yield from _leaves((getattr(item, f.name) for f in fields(item)), kind)
 
 
 def _name(kind: MODEL_TENSOR, block: int | None = None) -> str:
@@ -239,7 +252,7 @@ class _Loader:
             parts = []
             for encoding, group in itertools.groupby(zip(encodings, sources, strict=True), key=lambda pair: pair[0]):
                 counts = [count for _, (_, _, count, _) in group]
-                matrix = QuantMatrix.empty(sum(counts), row_shape[0], encoding.block, encoding.dtype)
+                matrix = QuantMatrix.empty(sum(counts), row_shape[0], encoding.block, encoding.dtype, encoding.scales)
                 kept.append(matrix)
                 row = 0
                 for count in counts:
@@ -268,7 +281,8 @@ class _Loader:
         if len(encodings) == 1 and None not in encodings:
             (encoding,) = encodings
             each = sum(shape[1] for shape in shapes)
-            stack = ExpertStack(QuantMatrix.empty(experts * each, row_shape[0], encoding.block, encoding.dtype), experts)
+            stack = ExpertStack(QuantMatrix.empty(experts * each, row_shape[0], encoding.block, encoding.dtype,
+                                                  encoding.scales), experts)
             for e in range(experts):
                 row = e * each
                 for name, shape in zip(names, shapes, strict=True):
@@ -349,8 +363,13 @@ class _Loader:
         if heads_permuted:
             step = -(-step // self.head_dim) * self.head_dim
         for start in range(0, len(out), step):
-            parts = encode(rows[start:start + step], info.qtype, columns)
-            for part, table in zip(parts, (out.q, out.scale, out.offset), strict=True):
+            try:
+                parts = encode(rows[start:start + step], info.qtype, columns)
+            except ValueError as error:  # a scale the kept form cannot hold exactly
+                raise ModelLoadError(f"{name}: {error}") from error
+            for part, table in zip(parts, out.arrays, strict=True):
+                if not table.shape[1]:  # no supers
+                    continue
                 if heads_permuted:
                     part = part.reshape(-1, self.head_dim // 2, 2, part.shape[1]).transpose(0, 2, 1, 3)
                 part = part.reshape(-1, table.shape[1])
@@ -583,12 +602,12 @@ def _experts(loader: _Loader, c: ModelConfig, i: int) -> ExpertWeights:
     )
 
 
-def kept_dtypes(weights: ModelWeights) -> set[np.dtype]:
-    """The encodings (values dtypes) of the matrices kept in their file's values."""
-    return {array.dtype for array in _arrays([weights]) if array.dtype in ENCODINGS}
+def kept_forms(weights: ModelWeights) -> set[tuple[np.dtype, np.dtype]]:
+    """The (values, scales) dtypes of the matrices kept in their file's quants."""
+    return {(matrix.q.dtype, matrix.scale.dtype) for matrix in _quant_matrices([weights])}
 
 
-def stacked_dtypes(weights: ModelWeights) -> set[np.dtype]:
-    """The encodings of the expert stacks (their grouped kernel is compiled apart)."""
-    return {stack.whole.q.dtype for layer in weights.layers if layer.experts is not None
+def stacked_forms(weights: ModelWeights) -> set[tuple[np.dtype, np.dtype]]:
+    """The (values, scales) dtypes of the expert stacks (their grouped kernel is compiled apart)."""
+    return {(stack.whole.q.dtype, stack.whole.scale.dtype) for layer in weights.layers if layer.experts is not None
             for stack in (layer.experts.gate_up, layer.experts.down) if isinstance(stack, ExpertStack)}
