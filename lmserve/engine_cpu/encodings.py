@@ -77,19 +77,19 @@ def encode(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> Parts
         q = np.ascontiguousarray(rows).view(_FLOATS[qtype]).reshape(len(rows), columns)
         blocks = (len(rows), columns // FLOAT_BLOCK)
         return q, _halves(np.ones(blocks, np.float32)), _halves(np.zeros(blocks, np.float32)), _no_supers(len(rows))
-    q, scale, offset, *supers = unpack_factored(rows, qtype, columns)
+    q, scale, offset, supers = unpack_factored(rows, qtype, columns)
     zero = PACKED_ZERO.get(qtype, 0)
-    if zero and supers:  # Q3_K: `s*(q-4)` = `s*q - 4*s`, the offset's factor -4 times the scale's
+    if zero and supers is not None:  # Q3_K: `s*(q-4)` = `s*q - 4*s`, the offset's factor -4 times the scale's
         offset = scale
-        supers[0][:, 1::2] = np.float32(-zero) * supers[0][:, 0::2]
+        supers[:, 1::2] = np.float32(-zero) * supers[:, 0::2]
     elif zero:  # Q4_0
         offset = offset - np.float32(zero) * scale
     if qtype in PACKED_ZERO:
         levels = q.view(np.uint8) + np.uint8(zero)  # 0..15 (uint8 arithmetic wraps -8..-1 right)
         pairs = levels.reshape(len(q), -1, 2, 16)  # each block of 32: values 0-15, then 16-31
         q = (pairs[:, :, 0] | (pairs[:, :, 1] << np.uint8(4))).reshape(len(q), -1)
-    if supers:
-        return q, scale, offset, supers[0]
+    if supers is not None:
+        return q, scale, offset, supers
     if encoding_of(qtype, columns).scales == HALF_SCALES:
         scale, offset = _halves(scale), _halves(offset)
     return q, scale, offset, _no_supers(len(q))

@@ -95,14 +95,15 @@ def unpack(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> Unpac
     return q.reshape(n_rows, columns), *(f.reshape(n_rows, -1) for f in flat)
 
 
-def unpack_factored(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> tuple[np.ndarray, ...]:
+def unpack_factored(rows: np.ndarray, qtype: GGMLQuantizationType,
+                    columns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """`unpack`, but FACTORED_TYPES' scale and offset as int8 `[n_rows, columns // B]` each, and
     `supers` float32 `[n_rows, 2 * superblocks]`: each superblock's scale factor, then its offset
-    factor (`sup * sub` is `unpack`'s value). Other types as `unpack` gives them."""
+    factor (`sup * sub` is `unpack`'s value). Other types as `unpack` gives them, supers None."""
     q, scale, offset = _unpack_blocks(rows, qtype, columns)
     n_rows = len(rows)
     if not isinstance(scale, Factors) or not isinstance(offset, Factors):
-        return q.reshape(n_rows, columns), scale.reshape(n_rows, -1), offset.reshape(n_rows, -1)
+        return q.reshape(n_rows, columns), scale.reshape(n_rows, -1), offset.reshape(n_rows, -1), None
     supers = np.stack([scale.sup, offset.sup], axis=-1).reshape(n_rows, -1)
     return q.reshape(n_rows, columns), scale.sub.reshape(n_rows, -1), offset.sub.reshape(n_rows, -1), supers
 
