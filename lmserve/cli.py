@@ -257,7 +257,8 @@ def serve(settings: Settings) -> None:
         if engine is None:  # a follower: rank 0 has stopped the group
             exit_now(0)
     else:
-        engine = load_engine(settings.engine, model.gguf, model.config, progress, settings.kv_type)
+        engine = load_engine(settings.engine, model.gguf, model.config, progress, settings.kv_type,
+                             settings.cpu_dots)
     speculate = speculation_mode(settings, engine.cheap_verify)
     draft_engine = load_draft(settings.draft, model, engine.name) if speculate == "draft" else None
     engine.checkpoints_per_cache = settings.kv_checkpoints

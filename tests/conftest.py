@@ -10,6 +10,9 @@ import tempfile
 # two-thread BLAS collapses under that contention (measured: decode 36 -> 1-4 tok/s), one thread
 # does not. Set before NumPy loads; production keeps the BLAS default, and so do scripts/ benches.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# The goldens are an f32 reference's: engines and servers multiply in float32 unless a test asks
+# for int8 activations (--cpu-dots int8, the default on AVX-512 VNNI CPUs; see int8_dots below).
+os.environ["LMSERVE_CPU_DOTS"] = "float32"
 # A developer's own ~/.config/lmserve/config.toml must not reach the servers the suite starts.
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="lmserve-test-config-")
 
@@ -89,3 +92,21 @@ def planner(qwen3):
     from lmserve.model.chat_template import ChatTemplate
 
     return ReplyPlanner(qwen3, ChatTemplate((TEMPLATES / "qwen3.jinja").read_text()))
+
+
+@pytest.fixture
+def int8_dots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The NumPy engine's products with int8 activations, where this CPU has them."""
+    from lmserve.engine_cpu import int8_kernels
+
+    if not int8_kernels.available():
+        pytest.skip("int8 activations need AVX-512 VNNI")
+    monkeypatch.setattr(int8_kernels, "ENABLED", True)
+
+
+@pytest.fixture(params=["float32", "int8"])
+def cpu_dots(request: pytest.FixtureRequest) -> str:
+    """A test once with each of the NumPy engine's products: float32, then int8 activations."""
+    if request.param == "int8":
+        request.getfixturevalue("int8_dots")
+    return request.param

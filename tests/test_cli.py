@@ -71,6 +71,7 @@ BAD_VALUES = {  # flag -> values it refuses, and a word the one line must carry
     "--distributed": (["ring"], "invalid choice"), "--speculate": (["eagle"], "invalid choice"),
     "--draft": (["/no/such.gguf"], "no such file"), "--chat-template": (["/no/such.jinja"], "no such file"),
     "--host": ([""], "must not be empty"), "--kv-type": (["q5_k", "fp8"], "invalid choice"),
+    "--cpu-dots": (["int4", "vnni"], "invalid choice"),
 }
 
 

@@ -46,15 +46,18 @@ def tiny_engines(tiny_models: dict[str, Path]) -> dict[str, CPUEngine]:
 # -- tiny llama: every quant type ------------------------------------------------------------
 
 @pytest.mark.parametrize("file", sorted(REFERENCE["by_file"]))
-def test_tiny_llama_matches_f32_reference_and_llama_cpp(file: str) -> None:
+def test_tiny_llama_matches_f32_reference_and_llama_cpp(file: str, cpu_dots: str) -> None:
+    """Float32 activations give the reference's logits; int8 ones (quantized types only) stray
+    from them about as far as llama.cpp's own logits do (0.29-0.64 on these files)."""
     engine = load(TINY_LLAMA / file)
     ids = REFERENCE["token_ids"]
     logits = engine.prefill(engine.new_cache(len(ids)), ids, all_logits=True)
     assert logits.shape == (len(ids), engine.config.vocab_size) and logits.dtype == np.float32
 
     ref = REFERENCE["by_file"][file]
-    assert np.abs(logits[-1] - np.array(ref["last_logits"])).max() <= 1e-3
-    assert logits.argmax(-1).tolist() == ref["top1"]
+    int8 = cpu_dots == "int8" and not file.endswith(("F32.gguf", "F16.gguf"))
+    assert np.abs(logits[-1] - np.array(ref["last_logits"])).max() <= (0.4 if int8 else 1e-3)
+    assert (logits.argmax(-1) == np.array(ref["top1"])).sum() >= (15 if int8 else len(ids))
 
     cpp = LLAMA_CPP["by_file"][file]
     cpp_last = np.array(cpp["last_logits"])

@@ -111,10 +111,10 @@ def test_the_quantized_engine_decodes_as_the_float32_one() -> None:
 
 
 def test_the_kernels_are_built_for_every_block_size_unpacked() -> None:
-    from lmserve.engine_cpu import kernels
+    from lmserve.engine_cpu.kernel_ir import BLOCK_SIZES
     from lmserve.engine_cpu.quant_blocks import SUPPORTED
 
-    assert set(SUPPORTED.values()) == set(kernels.BLOCK_SIZES)
+    assert set(SUPPORTED.values()) == set(BLOCK_SIZES)
 
 
 # -- every encoding ------------------------------------------------------------------------------

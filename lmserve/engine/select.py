@@ -37,13 +37,15 @@ def select_engine(kind: str) -> str:
 
 
 def load_engine(kind: str, gguf: GGUFFile, config: ModelConfig,
-                progress: Callable[[int, int], None] | None = None, kv_type: str = AUTO) -> Engine:
+                progress: Callable[[int, int], None] | None = None, kv_type: str = AUTO,
+                cpu_dots: str = AUTO) -> Engine:
     """Build the engine `kind` resolves to, loading the model's weights onto it, its KV cache
-    stored as `kv_type` (ModelLoadError where that engine or model cannot)."""
+    stored as `kv_type`, the NumPy engine's products as `cpu_dots` says (ModelLoadError where
+    that engine or model cannot)."""
     if select_engine(kind) == "cpu":
         from lmserve.engine_cpu import CPUEngine
 
-        return CPUEngine(gguf, config, progress, kv_type=kv_type)
+        return CPUEngine(gguf, config, progress, kv_type=kv_type, dots=cpu_dots)
     try:
         from lmserve.engine_mlx import MLXEngine
     except ImportError as exc:

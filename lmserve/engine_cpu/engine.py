@@ -57,12 +57,14 @@ class CPUEngine(Engine[CPUCache]):
     def __init__(self, gguf: GGUFFile, config: ModelConfig,
                  progress: Callable[[int, int], None] | None = None,
                  available_memory: int | None = None, quantized: bool | None = None,
-                 kv_type: str = AUTO) -> None:
+                 kv_type: str = AUTO, dots: str = AUTO) -> None:
         """`available_memory`: bytes the weights may take (None: what psutil reports available);
         a model whose weights need more is refused with `ModelLoadError`. `quantized`: keep
         quantized matrices quantized (None: when the compiled kernels run here; False: float32
         throughout, the reference arithmetic). `kv_type`: what keys and values are cached as
-        (`auto`: float32); ModelLoadError for a block type the model's head sizes do not divide."""
+        (`auto`: float32); ModelLoadError for a block type the model's head sizes do not divide.
+        `dots`: `int8` or `float32` activations in the kernels' products, for the whole process
+        (`int8_kernels.choose`; `auto` leaves its default)."""
         self.config = config
         self.kv_type = "f32" if kv_type == AUTO else kv_type
         check_head_sizes(KV_TYPES[self.kv_type], (config.head_size(i) for i in config.attention_layers))
@@ -73,9 +75,12 @@ class CPUEngine(Engine[CPUCache]):
         self._layout = Layout.of(config, self.kv_type)
         self.weight_bytes = self.weights.nbytes
         self._threads: ThreadTuner | None = None
+        kind = "float32"
         if quantized:
-            from lmserve.engine_cpu import kernels
+            from lmserve.engine_cpu import int8_kernels, kernels
 
+            int8_kernels.choose(dots)
+            kind = f"kernels on the file's quants, {'int8' if int8_kernels.ENABLED else 'float32'} activations"
             self.prepared = kernels.prepare(kept_forms(self.weights), stacked_forms(self.weights))
             blas, most = blas_threads(), kernels.most_threads()
 
@@ -84,7 +89,6 @@ class CPUEngine(Engine[CPUCache]):
                 blas(most if wide else 1)
 
             self._threads = ThreadTuner(most, apply, KERNEL_ROWS)
-        kind = "kernels on the file's quants" if quantized else "float32"
         self.device = f"numpy, {kind} ({len(os.sched_getaffinity(0))} cpus)"
 
     # -- caches ------------------------------------------------------------------------------

@@ -51,7 +51,8 @@ def open_runtime(settings: Settings, choice: ModelChoice,
     settings = model_settings(settings, choice)
     model = load_model(choice.path, choice.name, settings.chat_template)
     try:
-        engine = load_engine(settings.engine, model.gguf, model.config, progress, settings.kv_type)
+        engine = load_engine(settings.engine, model.gguf, model.config, progress, settings.kv_type,
+                             settings.cpu_dots)
         engine.checkpoints_per_cache = settings.kv_checkpoints
         context = choose_context(settings, model.config, engine)
         runtime = Runtime(model, engine, settings.with_resolved(

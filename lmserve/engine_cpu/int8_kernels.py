@@ -1,0 +1,293 @@
+"""Quantized-matrix products with int8 activations: integer dot products, as llama.cpp computes them.
+
+The float kernels (`kernels`) convert every weight to float32 before a multiply-add, and that
+conversion, not memory, bounds them (figures: docs/PERFORMANCE.md, NumPy engine: int8
+activations). These quantize each row of x to int8 per weight block first (`dx * xq`, |xq| <= 127),
+then multiply the weights' integers with it in int32: AVX-512 VNNI's `vpdpbusd` does 64 byte
+products an instruction. A block's term is `scale * dx * (q . xq) + offset * dx * sum(xq)`, the
+sums of the quantized values as llama.cpp's q8 blocks keep them, so a centered type's `d*(q-8)`
+gives the same terms either way. Rows are independent, and their blocks are summed in one order
+whatever rows share the call, so a row's result does not depend on what it is batched with.
+
+Values are read 128 at a time with 512-bit vectors, then 32 at a time with 128-bit ones past the
+last whole 128. `vpdpbusd` multiplies unsigned bytes with signed ones: nibbles (0..15) are the
+unsigned side against xq; int8 weights are the signed side against xq + 128, less 128 times their
+own sum (one more `vpdpbusd`, against ones). For nibbles, x is stored in the order the nibbles'
+low and high halves split a 128-value group (`_quantize`).
+
+Only where the CPU has AVX-512 VNNI (`available`); elsewhere the float kernels run.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from lmserve.engine_cpu.kernel_ir import F32, I8, I32, I64, OUTS, Builder
+from lmserve.engine_cpu.qmatrix import INT8, NIBBLES, SUPERBLOCK
+from lmserve.model.gguf_file import ModelLoadError
+
+WIDE, NARROW = 128, 32  # values a step: 512-bit vectors, then 128-bit ones past the last whole WIDE
+_FEATURES = ("avx512vnni", "avx512bw", "avx512vl")
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this CPU has the instructions (LLVM compiles for the host, as Numba does)."""
+    features = llvm.get_host_cpu_features()
+    return all(features.get(name, False) for name in _FEATURES)
+
+
+ENV = "LMSERVE_CPU_DOTS"  # `float32`: the float kernels by default (the test suite sets it: --cpu-dots)
+ENABLED = available() and os.environ.get(ENV, "auto") != "float32"
+
+
+def choose(dots: str) -> None:
+    """`int8` or `float32` activations for every product of this process from now on (`auto`:
+    leave the default); ModelLoadError for int8 on a CPU without the instructions."""
+    global ENABLED  # noqa: PLW0603  (one choice per process, as the CPU's features are)
+    if dots == "int8" and not available():
+        raise ModelLoadError(f"--cpu-dots int8 needs AVX-512 VNNI ({', '.join(_FEATURES)}), which this CPU lacks")
+    if dots != "auto":
+        ENABLED = dots == "int8"
+
+
+def takes(q: np.ndarray) -> bool:
+    """Whether a matrix with values `q` runs here (int8 and nibble values on a VNNI CPU)."""
+    return ENABLED and q.dtype in (INT8, NIBBLES)
+
+
+def _vector(element: ir.Type, count: int) -> ir.VectorType:
+    return ir.VectorType(element, count)
+
+
+class _Step:
+    """One step's IR: `width` values of a matrix row against int8 x rows, block size `size`."""
+
+    def __init__(self, k: Builder, width: int, size: int, nibbles: bool) -> None:
+        self.k, self.b, self.width, self.size, self.nibbles = k, k.b, width, size, nibbles
+        self.bytes = width // 2  # bytes a vector: a 512-bit one for WIDE, 128-bit for NARROW
+        self.lanes = self.bytes // 4  # int32 lanes a vector
+        self.blocks = width // size
+        bytes_vector, lanes_vector = _vector(I8, self.bytes), _vector(I32, self.lanes)
+        self.dot = cgutils.get_or_insert_function(
+            self.b.module, ir.FunctionType(lanes_vector, [lanes_vector, bytes_vector, bytes_vector]),
+            f"llvm.x86.avx512.vpdpbusd.{self.bytes * 8}")
+        self.zero = ir.Constant(lanes_vector, [0] * self.lanes)
+        # Each of the two vectors' int32 lanes -> the block (of this step) its 4 products are in.
+        if nibbles:  # lane l: 16-byte chunk l // 4 of the low halves (values 0-15 of 32) or high (16-31)
+            self.maps = [[(32 * (lane // 4) + half) // size for lane in range(self.lanes)] for half in (0, 16)]
+        else:
+            self.maps = [[(part * self.bytes + 4 * lane) // size for lane in range(self.lanes)] for part in (0, 1)]
+
+    def weights(self, qrow: ir.Value, first: ir.Value) -> list[ir.Value]:
+        """The row's two byte vectors from value `first` on: low and high nibbles, or two int8 halves."""
+        b, vector = self.b, _vector(I8, self.bytes)
+        if self.nibbles:
+            packed = self.k.load_vector(qrow, b.lshr(first, ir.Constant(I64, 1)), vector)
+            return [b.and_(packed, ir.Constant(vector, [0x0F] * self.bytes)),
+                    b.lshr(packed, ir.Constant(vector, [4] * self.bytes))]
+        return [self.k.load_vector(qrow, b.add(first, ir.Constant(I64, p * self.bytes)), vector) for p in (0, 1)]
+
+    def weight_sums(self, weights: list[ir.Value]) -> list[ir.Value] | None:
+        """int8 weights: 128 times their sums per lane, to take off the products with x + 128."""
+        if self.nibbles:
+            return None
+        ones = ir.Constant(_vector(I8, self.bytes), [1] * self.bytes)
+        seven = ir.Constant(_vector(I32, self.lanes), [7] * self.lanes)
+        return [self.b.shl(self.b.call(self.dot, [self.zero, ones, w]), seven) for w in weights]
+
+    def products(self, weights: list[ir.Value], sums: list[ir.Value] | None, xrow: ir.Value,
+                 first: ir.Value) -> list[tuple[ir.Value, list[int]]]:
+        """`q . xq` per int32 lane, as (vector, its lanes' blocks); the two vectors are added
+        when their lanes hold the same blocks (nibbles of blocks of 32)."""
+        b, vector = self.b, _vector(I8, self.bytes)
+        xs = [self.k.load_vector(xrow, b.add(first, ir.Constant(I64, p * self.bytes)), vector) for p in (0, 1)]
+        if self.nibbles:
+            dots = [(w, x) for w, x in zip(weights, xs, strict=True)]
+        else:
+            dots = [(x, w) for w, x in zip(weights, xs, strict=True)]  # x + 128 the unsigned side
+        if self.maps[0] == self.maps[1]:
+            product = b.call(self.dot, [b.call(self.dot, [self.zero, *dots[0]]), *dots[1]])
+            if sums is not None:
+                product = b.sub(product, b.add(sums[0], sums[1]))
+            return [(product, self.maps[0])]
+        products = [b.call(self.dot, [self.zero, *dot]) for dot in dots]
+        if sums is not None:
+            products = [b.sub(product, total) for product, total in zip(products, sums, strict=True)]
+        return list(zip(products, self.maps, strict=True))
+
+
+def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
+    """`out[r0 + r, o0 + j] = sum_b scale[o, b] * dx[r0 + r, b] * (q[o, b] . xq[r0 + r, b]) +
+    offset[o, b] * xsum[r0 + r, b]` (o = o0 + j) for r < `rows`, j < `outs`: a tile of the result."""
+    @intrinsic
+    def dots(typingctx, xq, q, scale, offset, supers, dx, xsum, out, o0, r0):  # noqa: ANN001, ANN202, ARG001
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            k = Builder(context, builder, signature, args)
+            b = builder
+            last = b.sub(cgutils.unpack_tuple(b, k.arrays[1].shape, 2)[0], ir.Constant(I64, 1))
+            o_index = [b.select(b.icmp_signed("<", o, last), o, last)  # past the last row: it again
+                       for o in (b.add(args[8], ir.Constant(I64, j)) for j in range(outs))]
+            r_index = [b.add(args[9], ir.Constant(I64, r)) for r in range(rows)]
+            qrows = [k.row(1, o) for o in o_index]
+            sources = [[k.row(arg, o) for arg in (2, 3, 4)] for o in o_index]
+            xrows, dxrows, sumrows = ([k.row(arg, r) for r in r_index] for arg in (0, 5, 6))
+            nibbles = k.dtypes[1] == types.uint8
+            values = k.columns(0)
+            wide = b.udiv(values, ir.Constant(I64, WIDE))
+            narrow = b.udiv(b.sub(values, b.mul(wide, ir.Constant(I64, WIDE))), ir.Constant(I64, NARROW))
+            totals = [[cgutils.alloca_once_value(b, ir.Constant(F32, 0.0)) for _ in range(rows)] for _ in range(outs)]
+
+            def blocks_of(size: int) -> None:
+                for width, steps, start in ((WIDE, wide, ir.Constant(I64, 0)),
+                                            (NARROW, narrow, b.mul(wide, ir.Constant(I64, WIDE)))):
+                    step = _Step(k, width, size, nibbles)
+                    lanes = _vector(F32, step.lanes)
+                    blocks = _vector(F32, step.blocks)
+                    acc = [[cgutils.alloca_once_value(b, ir.Constant(lanes, [0.0] * step.lanes)) for _ in range(rows)]
+                           for _ in range(outs)]
+                    acc_offset = [[cgutils.alloca_once_value(b, ir.Constant(blocks, [0.0] * step.blocks))
+                                   for _ in range(rows)] for _ in range(outs)]
+                    with cgutils.for_range(b, steps) as loop:
+                        first = b.add(start, b.mul(loop.index, ir.Constant(I64, width)))
+                        block = b.udiv(first, ir.Constant(I64, size))
+                        dxs = [k.load_vector(row, block, blocks) for row in dxrows]
+                        sums = [k.load_vector(row, block, blocks) for row in sumrows]
+                        for j, (qrow, (srow, mrow, super_row)) in enumerate(zip(qrows, sources, strict=True)):
+                            factors = b.shl(b.udiv(first, ir.Constant(I64, SUPERBLOCK)), ir.Constant(I64, 1))
+                            s, m = (k.expand(source, block, step.blocks, k.dtypes[2],
+                                             k.at(super_row, b.add(factors, ir.Constant(I64, i))))
+                                    for i, source in enumerate((srow, mrow)))
+                            weights = step.weights(qrow, first)
+                            weight_sums = step.weight_sums(weights)
+                            for r in range(rows):
+                                scaled = b.fmul(s, dxs[r])
+                                for product, lane_map in step.products(weights, weight_sums, xrows[r], first):
+                                    per_lane = b.shuffle_vector(scaled, scaled, ir.Constant(_vector(I32, step.lanes), lane_map))
+                                    b.store(b.call(k.fma(lanes), [b.sitofp(product, lanes), per_lane, b.load(acc[j][r])]),
+                                            acc[j][r])
+                                b.store(b.call(k.fma(blocks), [m, sums[r], b.load(acc_offset[j][r])]), acc_offset[j][r])
+                    for j in range(outs):
+                        for r in range(rows):
+                            part = b.fadd(k.horizontal_sum(b.load(acc[j][r])), k.horizontal_sum(b.load(acc_offset[j][r])))
+                            b.store(b.fadd(b.load(totals[j][r]), part), totals[j][r])
+
+            k.by_block_size(blocks_of, 1, 2)
+            for j in range(outs):
+                for r in range(rows):
+                    b.store(b.load(totals[j][r]), k.at(k.row(7, r_index[r]), o_index[j]))
+            return context.get_dummy_value()
+        return types.void(xq, q, scale, offset, supers, dx, xsum, out, o0, r0), codegen
+    return dots
+
+
+_tile4, _tile2, _tile1 = (_dots(rows, OUTS) for rows in (4, 2, 1))
+_one = _dots(1, 1)
+
+
+@njit(inline="always", nogil=True)
+def _tiles(xq, q, scale, offset, supers, dx, xsum, out, o, r, stop):  # noqa: ANN001, ANN202
+    """Matrix rows `o:o + OUTS` against x rows `r:stop`: four at a time, then two, then one."""
+    while r + 4 <= stop:
+        _tile4(xq, q, scale, offset, supers, dx, xsum, out, o, r)
+        r += 4
+    if r + 2 <= stop:
+        _tile2(xq, q, scale, offset, supers, dx, xsum, out, o, r)
+        r += 2
+    if r < stop:
+        _tile1(xq, q, scale, offset, supers, dx, xsum, out, o, r)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _times(x, q, scale, offset, supers, nibbles):  # noqa: ANN001, ANN202
+    """x rounded to int8 (one call: a launch's own cost is a few microseconds, and a decode step
+    makes 100-400 of them), then its product with the matrix."""
+    xq, dx, xsum = _quantize(x, x.shape[1] // scale.shape[1], nibbles)
+    out = np.empty((x.shape[0], q.shape[0]), np.float32)
+    if x.shape[0] == 1:
+        for o in prange(q.shape[0]):
+            _one(xq, q, scale, offset, supers, dx, xsum, out, o, 0)
+        return out
+    for tile in prange(-(-q.shape[0] // OUTS)):
+        _tiles(xq, q, scale, offset, supers, dx, xsum, out, tile * OUTS, 0, x.shape[0])
+    return out
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _grouped_times(x, q, scale, offset, supers, nibbles, experts, firsts):  # noqa: ANN001, ANN202
+    xq, dx, xsum = _quantize(x, x.shape[1] // scale.shape[2], nibbles)
+    out = np.empty((x.shape[0], q.shape[1]), np.float32)
+    rows = q.shape[1]
+    if firsts[-1] == len(experts):
+        for t in prange(len(experts) * rows):
+            g, o = t // rows, t % rows
+            e = experts[g]
+            _one(xq, q[e], scale[e], offset[e], supers[e], dx, xsum, out, o, g)
+        return out
+    tiles = -(-rows // OUTS)
+    for t in prange(len(experts) * tiles):
+        g, o = t // tiles, (t % tiles) * OUTS
+        e = experts[g]
+        _tiles(xq, q[e], scale[e], offset[e], supers[e], dx, xsum, out, o, firsts[g], firsts[g + 1])
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _quantize(x, size, nibbles):  # noqa: ANN001, ANN202
+    """Each block of `size` values of each row of x as `dx * xq`, |xq| <= 127 (NaN dx where the
+    block is not finite), and `dx * sum(xq)`. int8 weights' x is stored as xq + 128 (the unsigned
+    side); nibbles' in each whole WIDE group as the low halves' values, then the high halves'."""
+    n, columns = x.shape
+    xq = np.empty((n, columns), np.int8)
+    dx, xsum = np.empty((n, columns // size), np.float32), np.empty((n, columns // size), np.float32)
+    wide = columns // WIDE * WIDE
+    for r in range(n):
+        for block in range(columns // size):
+            start = block * size
+            peak, total = np.float32(0.0), np.float32(0.0)
+            for i in range(start, start + size):
+                peak = max(peak, abs(x[r, i]))
+                total += x[r, i]
+            d = peak / np.float32(127.0)
+            inverse = np.float32(127.0) / peak if peak > 0 else np.float32(0.0)
+            quantized = 0
+            for i in range(start, start + size):
+                v = int(np.rint(x[r, i] * inverse))
+                quantized += v
+                at = i
+                if nibbles and i < wide:  # value c*32 + h*16 + t of a group -> h*64 + c*16 + t
+                    within = i % WIDE
+                    at = i - within + (within % 32 // 16) * 64 + within // 32 * 16 + within % 16
+                xq[r, at] = v if nibbles else v + 128 - 256 * (v >= 0)  # the byte of v + 128
+            dx[r, block] = d if np.isfinite(total) else np.float32(np.nan)
+            xsum[r, block] = d * np.float32(quantized)
+    return xq, dx, xsum
+
+
+def times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray) -> np.ndarray:
+    """`kernels.times` for int8 and nibble values."""
+    return _times(x, q, scale, offset, supers, q.dtype == NIBBLES)
+
+
+def grouped_times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray,
+                  experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
+    """`kernels.grouped_times` for int8 and nibble values."""
+    return _grouped_times(x, q, scale, offset, supers, q.dtype == NIBBLES, experts, firsts)
+
+
+def prepare(q: types.Array, scales: types.Array, ids: types.Array | None = None) -> None:
+    """Compile the product for values and scales of these Numba types (`kernels.prepare`): the
+    plain one, or with `ids` the grouped one for expert stacks."""
+    matrix, cube = types.Array(types.float32, 2, "C"), types.Array(types.float32, 3, "C")
+    if ids is None:
+        _times.compile((matrix, q, scales, scales, matrix, types.boolean))
+    else:
+        _grouped_times.compile((matrix, q, scales, scales, cube, types.boolean, ids, ids))

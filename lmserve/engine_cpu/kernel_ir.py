@@ -1,0 +1,165 @@
+"""LLVM IR building blocks of the compiled kernels (`kernels`, `int8_kernels`): vector types, and a
+builder that reads matrix rows, blocks and their scales in each form (`qmatrix.SCALE_FORMS`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+
+from lmserve.engine_cpu.qmatrix import SUPERBLOCK
+
+LANES = 16  # float32 values per vector: one AVX-512 register, two AVX2 ones, four NEON ones
+F32, I8, I32, I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+I16 = ir.IntType(16)
+VF, VQ = ir.VectorType(F32, LANES), ir.VectorType(I8, LANES)
+VH, VI32 = ir.VectorType(I16, LANES), ir.VectorType(I32, LANES)
+BLOCK_SIZES = (32, 16)  # values per scale: quant_blocks.SUPPORTED's sizes
+HALF_GROUP = 8  # float16 scales widened together (one AVX2 / two NEON conversions)
+NIBBLE_GROUP = 32  # nibble-packed values: 16 bytes hold values 0-15 in the low halves, 16-31 in the high
+# Matrix rows a tile computes: 2 make a 4-row decode step fastest, 1 is clearly slower, 4 a little
+# (figures: docs/PERFORMANCE.md, measurements behind code choices).
+OUTS = 2
+
+
+class Builder:
+    """The few IR patterns the kernels need, on one `llvmlite` builder."""
+
+    def __init__(self, context, builder: ir.IRBuilder, signature, args) -> None:  # noqa: ANN001
+        self.b = builder
+        self.arrays = [context.make_array(t)(context, builder, a) if isinstance(t, types.Array) else None
+                       for t, a in zip(signature.args, args, strict=True)]
+        self.dtypes = [getattr(t, "dtype", None) for t in signature.args]
+        self.fma_v = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VF, [VF] * 3),
+                                                    "llvm.fma.v16f32")
+        self.fma_s = cgutils.get_or_insert_function(builder.module, ir.FunctionType(F32, [F32] * 3),
+                                                    "llvm.fma.f32")
+
+    def by_block_size(self, emit: Callable[[int], None], values: int, scales: int) -> None:
+        """`emit(size)` for each block size, run by the one that argument `values`' columns over
+        argument `scales`' columns give: the loops are built for a constant size (a loop over a
+        block's vectors with a run-time count made 4-row products slower; figures:
+        docs/PERFORMANCE.md, measurements behind code choices)."""
+        size = self.b.udiv(self.columns(values), self.columns(scales))
+        if self.dtypes[values] == types.uint8:  # two values a byte
+            size = self.b.shl(size, ir.Constant(I64, 1))
+        with self.b.if_else(self.b.icmp_unsigned("==", size, ir.Constant(I64, BLOCK_SIZES[0]))) as (first, other):
+            with first:
+                emit(BLOCK_SIZES[0])
+            with other:
+                emit(BLOCK_SIZES[1])
+
+    def data(self, i: int) -> ir.Value:
+        return self.arrays[i].data
+
+    def columns(self, i: int) -> ir.Value:
+        return cgutils.unpack_tuple(self.b, self.arrays[i].shape, 2)[1]
+
+    def row(self, i: int, index: ir.Value) -> ir.Value:
+        """Pointer to row `index` of 2-D C-contiguous argument `i`."""
+        return self.b.gep(self.data(i), [self.b.mul(index, self.columns(i))])
+
+    def at(self, ptr: ir.Value, offset: ir.Value | int) -> ir.Value:
+        return self.b.gep(ptr, [offset if isinstance(offset, ir.Value) else ir.Constant(I64, offset)])
+
+    def load_vector(self, ptr: ir.Value, offset: ir.Value, vector: ir.VectorType) -> ir.Value:
+        return self.b.load(self.b.bitcast(self.at(ptr, offset), vector.as_pointer()), align=1)
+
+    def store_vector(self, value: ir.Value, ptr: ir.Value, offset: ir.Value) -> None:
+        self.b.store(value, self.b.bitcast(self.at(ptr, offset), VF.as_pointer()), align=4)
+
+    def block_values(self, q: int, qrow: ir.Value, first: ir.Value, size: int) -> list[ir.Value]:
+        """The `size` values of argument `q`'s row `qrow` from value `first` on (a block's
+        start), as float32 vectors of LANES values, decoded as the argument's dtype says."""
+        b, dtype = self.b, self.dtypes[q]
+        if dtype == types.uint8:  # 16 bytes hold 32 values: the low nibbles, then the high ones
+            group = b.and_(first, ir.Constant(I64, -NIBBLE_GROUP))
+            packed = self.load_vector(qrow, b.lshr(group, ir.Constant(I64, 1)), VQ)
+            low = b.uitofp(b.and_(packed, ir.Constant(VQ, [0x0F] * LANES)), VF)
+            high = b.uitofp(b.lshr(packed, ir.Constant(VQ, [4] * LANES)), VF)
+            if size == NIBBLE_GROUP:
+                return [low, high]
+            second = b.icmp_unsigned("!=", b.sub(first, group), ir.Constant(I64, 0))  # a block of 16
+            return [b.select(second, high, low)]
+        vectors = []
+        for p in range(0, size, LANES):
+            at = b.add(first, ir.Constant(I64, p))
+            if dtype == types.int8:
+                vectors.append(b.sitofp(self.load_vector(qrow, at, VQ), VF))
+            elif dtype == types.int16:  # float16 bits
+                halves = b.bitcast(self.load_vector(qrow, at, VH), ir.VectorType(ir.HalfType(), LANES))
+                vectors.append(b.fpext(halves, VF))
+            else:  # uint16: bfloat16 bits, a float32's upper half
+                wide = b.zext(self.load_vector(qrow, at, VH), VI32)
+                vectors.append(b.bitcast(b.shl(wide, ir.Constant(VI32, [16] * LANES)), VF))
+        return vectors
+
+    def splat(self, value: ir.Value, width: int = LANES) -> ir.Value:
+        vector = ir.VectorType(value.type, width)
+        one = self.b.insert_element(ir.Constant(vector, None), value, ir.Constant(I32, 0))
+        return self.b.shuffle_vector(one, ir.Constant(vector, None), ir.Constant(ir.VectorType(I32, width), [0] * width))
+
+    def for_blocks(self, scales: int, rows: list[ir.Value], size: int,
+                   body: Callable[[ir.Value, list[tuple[ir.Value, ir.Value]]], None]) -> None:
+        """`body(index, factors)` for every block `index` of matrix rows `rows` (blocks of
+        `size` values), `factors[j]` row j's float32 scale and offset of that block, read from
+        argument `scales` and the two after it (offsets, supers) in their form. Compact forms are
+        expanded a group of blocks at a time into floats on the stack, with vector conversions:
+        converted one block at a time, they cost a one-row product 10-40% (figures:
+        docs/PERFORMANCE.md, measurements behind code choices)."""
+        b, form = self.b, self.dtypes[scales]
+        blocks = self.columns(scales)
+        sources = [(self.row(scales, r), self.row(scales + 1, r), self.row(scales + 2, r)) for r in rows]
+        if form == types.float32:
+            with cgutils.for_range(b, blocks) as loop:
+                body(loop.index, [(b.load(self.at(s, loop.index)), b.load(self.at(m, loop.index)))
+                                  for s, m, _ in sources])
+            return
+        per = SUPERBLOCK // size if form == types.int8 else HALF_GROUP  # FACTORED: whole superblocks
+        tables = [cgutils.alloca_once(b, F32, size=2 * per) for _ in rows]
+        groups = b.udiv(blocks, ir.Constant(I64, per))
+        with cgutils.for_range(b, groups) as group:
+            first = b.mul(group.index, ir.Constant(I64, per))
+            factors = b.shl(group.index, ir.Constant(I64, 1))  # FACTORED: the group's two in supers
+            for table, (*pair, supers) in zip(tables, sources, strict=True):
+                for i, source in enumerate(pair):  # the scales, then the offsets
+                    values = self.expand(source, first, per, form, self.at(supers, b.add(factors, ir.Constant(I64, i))))
+                    b.store(values, b.bitcast(self.at(table, i * per), values.type.as_pointer()), align=4)
+            with cgutils.for_range(b, ir.Constant(I64, per)) as loop:
+                body(b.add(first, loop.index), [(b.load(self.at(table, loop.index)),
+                                                 b.load(self.at(table, b.add(loop.index, ir.Constant(I64, per)))))
+                                                for table in tables])
+        if form == types.int16:  # the blocks past the last whole group
+            with cgutils.for_range(b, b.sub(blocks, b.mul(groups, ir.Constant(I64, per)))) as loop:
+                index = b.add(b.mul(groups, ir.Constant(I64, per)), loop.index)
+                body(index, [tuple(b.fpext(b.bitcast(b.load(self.at(source, index)), ir.HalfType()), F32)
+                                   for source in pair) for *pair, _ in sources])
+
+    def fma(self, vector: ir.VectorType) -> ir.Function:
+        """`llvm.fma` for float32 vectors of `vector`'s width."""
+        return cgutils.get_or_insert_function(self.b.module, ir.FunctionType(vector, [vector] * 3),
+                                              f"llvm.fma.v{vector.count}f32")
+
+    def expand(self, source: ir.Value, first: ir.Value, per: int, form: types.Type, factor: ir.Value) -> ir.Value:
+        """`per` scales (or offsets) from block `first` on as float32: float32 loaded, float16
+        bits widened, or int8 multiples of the float32 at `factor`."""
+        b = self.b
+        if form == types.float32:
+            return self.load_vector(source, first, ir.VectorType(F32, per))
+        if form == types.int16:
+            halves = self.load_vector(source, first, ir.VectorType(I16, per))
+            return b.fpext(b.bitcast(halves, ir.VectorType(ir.HalfType(), per)), ir.VectorType(F32, per))
+        subs = b.sitofp(self.load_vector(source, first, ir.VectorType(I8, per)), ir.VectorType(F32, per))
+        return b.fmul(self.splat(b.load(factor), per), subs)
+
+    def horizontal_sum(self, v: ir.Value) -> ir.Value:
+        """Pairwise, halving the float vector's lanes: 16 -> 8 -> 4 -> 2 -> 1."""
+        width = v.type.count
+        while width > 1:
+            half = width // 2
+            lo = self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, half), list(range(half))))
+            hi = self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, half), list(range(half, width))))
+            v, width = self.b.fadd(lo, hi), half
+        return self.b.extract_element(v, ir.Constant(I32, 0))

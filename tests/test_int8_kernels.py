@@ -1,0 +1,124 @@
+"""Products with int8 activations (`--cpu-dots int8`): exactly the float product of x rounded to
+int8 per block, batched or not; how close that keeps a model to its f32 reference; and a server
+that is told to use them does."""
+
+from __future__ import annotations
+
+import sys
+
+import httpx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from lmserve.engine_cpu import CPUEngine, int8_kernels
+from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, ExpertStack
+from lmserve.engine_cpu.quant_blocks import FACTORED_TYPES
+from lmserve.model.config import ModelConfig
+from lmserve.model.gguf_file import GGUFFile, ModelLoadError
+from lmserve.model.tokenizer import Tokenizer
+from tests.server_util import start_server
+from tests.test_qmatrix import encoded_matrix
+
+T = GGMLQuantizationType
+pytestmark = pytest.mark.skipif(sys.platform == "darwin", reason="numba is not installed on macOS (MLX serves)")
+# Every type kept as nibbles or int8 (the others, F16 and BF16, keep the float kernels).
+INTEGER_TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q2_K, T.Q3_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_NL,
+                 T.IQ4_XS, T.MXFP4]
+
+
+def rounded(x: np.ndarray, block: int) -> np.ndarray:
+    """x as the kernels see it: each block of `block` values `dx * xq`, dx = max|x| / 127."""
+    blocks = x.reshape(len(x), -1, block)
+    peak = np.abs(blocks).max(axis=-1, keepdims=True)
+    inverse = np.divide(np.float32(127), peak, out=np.zeros_like(peak), where=peak > 0)
+    xq = np.rint(blocks * inverse)
+    return (xq * (peak / np.float32(127))).reshape(x.shape)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("qtype", INTEGER_TYPES, ids=lambda t: t.name)
+def test_int8_products_are_the_products_of_x_rounded_to_int8(qtype: GGMLQuantizationType, int8_dots: None) -> None:
+    """Every row count (1-row, 4-, 2- and 1-row tiles) and row length (whole 128-value steps, and
+    32-value ones past them: 19 blocks of 32) gives the float64 product of the file's values with
+    x rounded to int8, up to float32 sums; that rounding, not the kernels, is all they lose."""
+    for columns in (512,) if qtype in FACTORED_TYPES else (512, 19 * 32):
+        matrix, values = encoded_matrix(qtype, 37, columns)
+        for rows in (1, 2, 5, 7, KERNEL_ROWS):
+            x = np.random.default_rng(rows).standard_normal((rows, columns)).astype(np.float32)
+            want = rounded(x, matrix.block).astype(np.float64) @ values.T.astype(np.float64)
+            exact = x.astype(np.float64) @ values.T.astype(np.float64)
+            got = matrix.times(x)
+            scale = float(np.abs(exact).max())
+            assert np.abs(got - want).max() <= 2e-6 * scale, (qtype.name, columns, rows)
+            assert 1e-4 * scale < np.abs(got - exact).max() <= 2e-2 * scale  # int8's rounding, and only it
+
+
+@pytest.mark.fast
+def test_int8_rows_get_the_same_bits_whatever_they_are_batched_with(int8_dots: None) -> None:
+    matrix, _ = encoded_matrix(T.Q4_K, 97, 512)
+    x = np.random.default_rng(2).standard_normal((KERNEL_ROWS, 512)).astype(np.float32)
+    batched = matrix.times(x)
+    for i in range(len(x)):
+        assert np.array_equal(matrix.times(x[i:i + 1])[0], batched[i])
+    experts, rows_each = 6, 40
+    stack = ExpertStack(encoded_matrix(T.Q6_K, experts * rows_each, 512)[0], experts)
+    groups, firsts = np.array([5, 0, 3]), np.array([0, 4, 5, 7])
+    got = stack.times_grouped(x[:7], groups, firsts)
+    for expert, start, stop in zip(groups.tolist(), firsts[:-1], firsts[1:], strict=True):
+        for row in range(start, stop):
+            assert np.array_equal(got[row], stack[expert].times(x[row:row + 1])[0])
+
+
+@pytest.mark.fast
+def test_float_values_keep_the_float_kernels(int8_dots: None) -> None:
+    """F16 and BF16 have no integers to multiply: their products stay exact."""
+    matrix, values = encoded_matrix(T.F16, 37, 512)
+    assert not int8_kernels.takes(matrix.q)
+    x = np.random.default_rng(3).standard_normal((1, 512)).astype(np.float32)
+    np.testing.assert_allclose(matrix.times(x), x @ values.T, rtol=1e-5, atol=1e-5)
+
+
+def test_smollm2_keeps_its_reference_greedy_tokens_at_most_positions(int8_dots: None, smollm2_path,
+                                                                     chat_goldens: list[dict]) -> None:
+    """Fed the f32 reference's greedy continuations, SmolLM2 with int8 activations picks the same
+    next token at >= 105 of their 113 positions (108 measured; float32 activations: all)."""
+    gguf = GGUFFile(smollm2_path)
+    engine = CPUEngine(gguf, ModelConfig.from_gguf(gguf))
+    agree = total = 0
+    for case in chat_goldens:
+        prompt, greedy = case["prompt_ids"], case["greedy_ids"]
+        cache = engine.new_cache(len(prompt) + len(greedy))
+        rows = [engine.prefill(cache, prompt)] + [engine.decode([cache], [t])[0] for t in greedy[:-1]]
+        agree += sum(int(row.argmax()) == token for row, token in zip(rows, greedy, strict=True))
+        total += len(greedy)
+    assert total == 113 and agree >= 105
+
+
+def test_cpu_dots_int8_where_the_cpu_lacks_it_is_refused(monkeypatch: pytest.MonkeyPatch, smollm2_path) -> None:
+    monkeypatch.setattr(int8_kernels, "available", lambda: False)
+    monkeypatch.setattr(int8_kernels, "ENABLED", False)
+    gguf = GGUFFile(smollm2_path)
+    with pytest.raises(ModelLoadError, match="AVX-512 VNNI"):
+        CPUEngine(gguf, ModelConfig.from_gguf(gguf), dots="int8")
+
+
+def test_a_server_told_cpu_dots_int8_decodes_with_int8_activations(int8_dots: None, smollm2_path,
+                                                                   chat_goldens: list[dict]) -> None:
+    """The flag reaches the engine (the suite's default is float32): the served reply is the int8
+    engine's greedy one, which for this prompt differs from the f32 reference's from its first
+    token (a near tie), and /health says which activations the products use."""
+    golden = chat_goldens[0]
+    gguf = GGUFFile(smollm2_path)
+    engine, tokenizer = CPUEngine(gguf, ModelConfig.from_gguf(gguf)), Tokenizer.from_gguf(gguf)
+    cache = engine.new_cache(len(golden["prompt_ids"]) + 8)
+    tokens = [int(engine.prefill(cache, golden["prompt_ids"]).argmax())]
+    while len(tokens) < 8 and tokens[-1] not in tokenizer.eog_ids:
+        tokens.append(int(engine.decode([cache], [tokens[-1]])[0].argmax()))
+    assert tokens[0] != golden["greedy_ids"][0]
+    with start_server("--engine", "cpu", "--cpu-dots", "int8") as server:
+        r = httpx.post(server.base_url + "/v1/chat/completions", timeout=300,
+                       json={"messages": golden["messages"], "temperature": 0, "max_tokens": 8})
+        assert "int8 activations" in httpx.get(server.base_url + "/health").json()["device"]
+    want = tokenizer.decode([t for t in tokens if t not in tokenizer.eog_ids])
+    assert r.json()["choices"][0]["message"]["content"] == want
