@@ -113,8 +113,9 @@ def install(hooks: Hooks) -> None:
 
         real_load = select.load_engine
 
-        def load_engine(kind, gguf, config, progress=None, kv_type="auto"):
-            engine, tokenizer = real_load(kind, gguf, config, progress, kv_type), Tokenizer.from_gguf(gguf)
+        def load_engine(kind, gguf, config, progress=None, kv_type="auto", cpu_dots="auto"):
+            engine = real_load(kind, gguf, config, progress, kv_type, cpu_dots)
+            tokenizer = Tokenizer.from_gguf(gguf)
             alive.add(engine)
             if hooks.script is not None:
                 engine = ScriptedEngine(engine, tokenizer, Script.load(hooks.script))
