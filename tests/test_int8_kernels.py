@@ -74,7 +74,7 @@ def test_int8_rows_get_the_same_bits_whatever_they_are_batched_with(int8_dots: N
 def test_float_values_keep_the_float_kernels(int8_dots: None) -> None:
     """F16 and BF16 have no integers to multiply: their products stay exact."""
     matrix, values = encoded_matrix(T.F16, 37, 512)
-    assert not int8_kernels.takes(matrix.q)
+    assert not int8_kernels.takes(matrix.q.dtype)
     x = np.random.default_rng(3).standard_normal((1, 512)).astype(np.float32)
     np.testing.assert_allclose(matrix.times(x), x @ values.T, rtol=1e-5, atol=1e-5)
 

@@ -59,9 +59,9 @@ def choose(dots: str) -> None:
         ENABLED = dots == "int8"
 
 
-def takes(q: np.ndarray) -> bool:
-    """Whether a matrix with values `q` runs here (int8 and nibble values on a VNNI CPU)."""
-    return ENABLED and q.dtype in (INT8, NIBBLES)
+def takes(values: np.dtype) -> bool:
+    """Whether a matrix whose values have this dtype runs here (int8 and nibbles, on a VNNI CPU)."""
+    return ENABLED and values in (INT8, NIBBLES)
 
 
 def _vector(element: ir.Type, count: int) -> ir.VectorType:
@@ -104,12 +104,16 @@ class _Step:
         seven = ir.Constant(_vector(I32, self.lanes), [7] * self.lanes)
         return [self.b.shl(self.b.call(self.dot, [self.zero, ones, w]), seven) for w in weights]
 
-    def products(self, weights: list[ir.Value], sums: list[ir.Value] | None, xrow: ir.Value,
-                 first: ir.Value) -> list[tuple[ir.Value, list[int]]]:
+    def activations(self, xrow: ir.Value, first: ir.Value) -> list[ir.Value]:
+        """An x row's two byte vectors from value `first` on, laid out as `weights` pairs them."""
+        vector = _vector(I8, self.bytes)
+        return [self.k.load_vector(xrow, self.b.add(first, ir.Constant(I64, p * self.bytes)), vector) for p in (0, 1)]
+
+    def products(self, weights: list[ir.Value], sums: list[ir.Value] | None,
+                 xs: list[ir.Value]) -> list[tuple[ir.Value, list[int]]]:
         """`q . xq` per int32 lane, as (vector, its lanes' blocks); the two vectors are added
         when their lanes hold the same blocks (nibbles of blocks of 32)."""
-        b, vector = self.b, _vector(I8, self.bytes)
-        xs = [self.k.load_vector(xrow, b.add(first, ir.Constant(I64, p * self.bytes)), vector) for p in (0, 1)]
+        b = self.b
         if self.nibbles:
             dots = [(w, x) for w, x in zip(weights, xs, strict=True)]
         else:
@@ -161,6 +165,7 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
                         block = b.udiv(first, ir.Constant(I64, size))
                         dxs = [k.load_vector(row, block, blocks) for row in dxrows]
                         sums = [k.load_vector(row, block, blocks) for row in sumrows]
+                        xs = [step.activations(row, first) for row in xrows]
                         for j, (qrow, (srow, mrow, super_row)) in enumerate(zip(qrows, sources, strict=True)):
                             factors = b.shl(b.udiv(first, ir.Constant(I64, SUPERBLOCK)), ir.Constant(I64, 1))
                             s, m = (k.expand(source, block, step.blocks, k.dtypes[2],
@@ -170,7 +175,7 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
                             weight_sums = step.weight_sums(weights)
                             for r in range(rows):
                                 scaled = b.fmul(s, dxs[r])
-                                for product, lane_map in step.products(weights, weight_sums, xrows[r], first):
+                                for product, lane_map in step.products(weights, weight_sums, xs[r]):
                                     per_lane = b.shuffle_vector(scaled, scaled, ir.Constant(_vector(I32, step.lanes), lane_map))
                                     b.store(b.call(k.fma(lanes), [b.sitofp(product, lanes), per_lane, b.load(acc[j][r])]),
                                             acc[j][r])

@@ -166,7 +166,7 @@ def _dequantize(q, scale, offset, supers, out):  # noqa: ANN001, ANN202
 
 def times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray) -> np.ndarray:
     """`x [n, in]` (float32) times the matrix `[out, in]` transposed: `[n, out]`."""
-    if int8_kernels.takes(q):
+    if int8_kernels.takes(q.dtype):
         return int8_kernels.times(x, q, scale, offset, supers)
     n, columns = x.shape
     block = columns // scale.shape[1]
@@ -180,7 +180,7 @@ def grouped_times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.nd
                   experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
     """Rows `firsts[g]:firsts[g + 1]` of `x [n, in]` times matrix `experts[g]` of the stack
     `[matrices, out, in]` transposed: `[n, out]`, each row's values the bits `times` gives it."""
-    if int8_kernels.takes(q):
+    if int8_kernels.takes(q.dtype):
         return int8_kernels.grouped_times(x, q, scale, offset, supers, experts, firsts)
     n, columns = x.shape
     block = columns // scale.shape[2]
@@ -216,13 +216,13 @@ def prepare(forms: Iterable[tuple[np.dtype, np.dtype]], stacked: Iterable[tuple[
         q, s = (types.Array(numba.from_dtype(dtype), 2, "C") for dtype in (values, scales))
         _times.compile((matrix, q, s, s, matrix, matrix, matrix))
         _dequantize.compile((q, s, s, matrix, matrix))
-        if int8_kernels.takes(np.empty(0, values)):
+        if int8_kernels.takes(values):
             int8_kernels.prepare(q, s)
     ids = types.Array(types.int64, 1, "C")
     for values, scales in sorted(set(stacked), key=str):
         q, s = (types.Array(numba.from_dtype(dtype), 3, "C") for dtype in (values, scales))
         _grouped_times.compile((matrix, q, s, s, cube, matrix, matrix, ids, ids))
-        if int8_kernels.takes(np.empty(0, values)):
+        if int8_kernels.takes(values):
             int8_kernels.prepare(q, s, ids)
     took = time.perf_counter() - started
     if sum(_times.stats.cache_hits.values()):
