@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -180,14 +181,39 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     first = max(0, start - window + 1) if window else 0  # no query here sees a key before it
     if first:
         keys, values = keys[:, first:], values[:, first:]
-    seen = total - first
     group = n_heads // kv_heads
     # [kv_heads, group * n, head_dim]: each KV head's query rows in one matrix product.
     qg = q.reshape(n, kv_heads, group, head_dim).transpose(1, 2, 0, 3).reshape(kv_heads, group * n, head_dim)
     scores = qg @ keys.transpose(0, 2, 1)
+    compiled = _compiled_softmax()
+    if compiled is not None:
+        empty = np.empty(0, np.float32)
+        compiled(scores, n, start, first, np.float32(scale), window,
+                 empty if sinks is None else np.ascontiguousarray(sinks, np.float32))
+    else:
+        _numpy_softmax(scores, n, start, first, scale, window, sinks)
+    out = scores @ values  # [kv_heads, group * n, head_dim]
+    return out.reshape(kv_heads, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, n_heads * head_dim)
+
+
+@functools.cache
+def _compiled_softmax() -> Callable[..., None] | None:
+    """`softmax_kernel.causal_softmax`, or None where Numba is not installed (macOS)."""
+    try:
+        from lmserve.engine_cpu import softmax_kernel
+    except ImportError:
+        return None
+    return softmax_kernel.causal_softmax
+
+
+def _numpy_softmax(scores: np.ndarray, n: int, start: int, first: int, scale: float, window: int,
+                   sinks: np.ndarray | None) -> None:
+    """`softmax_kernel.causal_softmax` in NumPy, where it is not compiled."""
+    kv_heads, _, seen = scores.shape
+    group = scores.shape[1] // n
     scores *= np.float32(scale)
     if n > 1:
-        key_pos, query_pos = np.arange(first, total)[None, :], np.arange(start, start + n)[:, None]
+        key_pos, query_pos = np.arange(first, first + seen)[None, :], np.arange(start, start + n)[:, None]
         hidden = key_pos > query_pos
         if window:
             hidden |= key_pos <= query_pos - window
@@ -202,5 +228,3 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     if sinks is not None:
         denominator += np.exp(sink - peak)
     scores /= denominator
-    out = scores @ values  # [kv_heads, group * n, head_dim]
-    return out.reshape(kv_heads, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, n_heads * head_dim)

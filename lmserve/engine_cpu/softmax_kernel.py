@@ -1,0 +1,81 @@
+"""Attention's masked softmax as one compiled pass per row, on the kernels' threads.
+
+NumPy's softmax over a pass's scores (`[kv_heads, group * n, seen]`) makes six passes (scale,
+causal mask, max, subtract, exp, sum and divide), each over the whole array and on one thread; a
+prompt chunk of 256 tokens after 768 cached spent 4.2 ms a layer in them against 1.1 ms here
+(figures: docs/PERFORMANCE.md, NumPy engine: prompt passes). Each row reads only the keys its
+query sees, so masked scores are never exponentiated. Numba's loops vectorize with reassociated
+max and sum, but leave a call to `expf` scalar: `_exp` is Cephes' single-precision exponential
+(within 2 ulp), written so that they vectorize too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+# Reassociation (vectorized max and sum), contraction (FMA), reciprocal; not no-NaN: a NaN score
+# (a model gone wrong) still reaches the output.
+_FAST = {"reassoc", "contract", "arcp", "afn", "nsz"}
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HIGH, _LN2_LOW = np.float32(0.693359375), np.float32(-2.12194440e-4)  # ln 2 in two parts
+_LOWEST = np.float32(-87.0)  # exp of less is below float32's normal range: flushed to about 1.6e-38
+_P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3)
+_P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
+
+
+@intrinsic
+def _pow2(typingctx, k):  # noqa: ANN001, ANN202, ARG001
+    """2 ** k as float32 for an int32 k in the normal range: its exponent bits."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202, ARG001
+        i32 = ir.IntType(32)
+        bits = builder.shl(builder.add(args[0], ir.Constant(i32, 127)), ir.Constant(i32, 23))
+        return builder.bitcast(bits, ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+@njit(inline="always", fastmath=_FAST)
+def _exp(x):  # noqa: ANN001, ANN202
+    """e ** x in float32 for x <= 0: 2 ** k times a polynomial of the remainder."""
+    x = max(x, _LOWEST)
+    k = np.floor(x * _LOG2E + np.float32(0.5))
+    r = x - k * _LN2_HIGH - k * _LN2_LOW
+    p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5  # a loop over a tuple: not vectorized
+    return (p * (r * r) + r + np.float32(1.0)) * _pow2(np.int32(k))
+
+
+@njit(fastmath=_FAST, cache=True, nogil=True)
+def causal_softmax(scores, n, start, first, scale, window, sinks):  # noqa: ANN001, ANN201
+    """In place: each row of `scores` `[kv_heads, group * n, seen]` (query head `h * group + g`'s
+    row `g * n + i`, query i at position `start + i`; column c the key at position `first + c`)
+    times `scale`, then softmax over the keys its query sees (at or before it, and within `window`
+    positions when nonzero); the keys it does not see get 0. `sinks` `[heads]` (empty: none): a
+    logit per query head that joins each of its rows' denominator and nothing else."""
+    kv_heads, rows, seen = scores.shape
+    group = rows // n
+    for t in range(kv_heads * rows):
+        h, r = t // rows, t % rows
+        position = start + r % n
+        stop = position - first + 1
+        begin = max(0, position - window + 1 - first) if window else 0
+        row = scores[h, r]
+        seen_keys = row[begin:stop]  # indexed from 0: Numba's negative-index check then folds away
+        peak = np.float32(-np.inf)
+        for c in range(len(seen_keys)):
+            scaled = seen_keys[c] * scale
+            seen_keys[c] = scaled
+            peak = max(peak, scaled)
+        sink = sinks[h * group + r // n] if len(sinks) else np.float32(-np.inf)
+        peak = max(peak, sink)
+        total = _exp(sink - peak) if len(sinks) else np.float32(0.0)
+        for c in range(len(seen_keys)):
+            e = _exp(seen_keys[c] - peak)
+            seen_keys[c] = e
+            total += e
+        inverse = np.float32(1.0) / total
+        for c in range(len(seen_keys)):
+            seen_keys[c] *= inverse
+        row[:begin] = 0.0
+        row[stop:] = 0.0

@@ -1,0 +1,75 @@
+"""Attention with the compiled softmax (`softmax_kernel`) against float64 attention computed
+here from its definition, and against the NumPy softmax macOS runs: causal prompt chunks after
+cached positions, one decode row, sliding windows, gpt-oss's sinks, grouped KV heads."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from lmserve.engine_cpu import ops
+
+pytestmark = [pytest.mark.fast,
+              pytest.mark.skipif(sys.platform == "darwin", reason="numba is not installed on macOS (MLX serves)")]
+
+
+def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, scale: float, window: int,
+              sinks: np.ndarray | None) -> np.ndarray:
+    """Each query head's softmax over the keys its position sees, in float64, one row at a time."""
+    n, heads, head_dim = q.shape
+    group = heads // len(keys)
+    out = np.zeros((n, heads, head_dim))
+    for i in range(n):
+        position = start + i
+        seen = [p for p in range(position + 1) if not window or p > position - window]
+        for h in range(heads):
+            logits = keys[h // group, seen].astype(np.float64) @ q[i, h] * scale
+            extra = [] if sinks is None else [float(sinks[h])]
+            peak = max([logits.max(), *extra])
+            weights = np.exp(logits - peak)
+            weights /= weights.sum() + sum(np.exp(s - peak) for s in extra)
+            out[i, h] = weights @ values[h // group, seen]
+    return out.reshape(n, heads * head_dim)
+
+
+CASES = {"prompt chunk after cached keys": (24, 40, 0, False), "first chunk": (17, 0, 0, False),
+         "one decode row": (1, 70, 0, False), "sliding window chunk": (20, 50, 16, False),
+         "sliding window decode": (1, 90, 16, False), "sinks": (12, 30, 0, True),
+         "sinks and window": (9, 40, 8, True)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_softmax_attention_matches_float64(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    n, start, window, with_sinks = CASES[case]
+    rng = np.random.default_rng(len(case))
+    heads, kv_heads, head_dim = 8, 2, 32
+    q = rng.standard_normal((n, heads, head_dim)).astype(np.float32) * 2
+    keys = rng.standard_normal((kv_heads, start + n, head_dim)).astype(np.float32)
+    values = rng.standard_normal((kv_heads, start + n, head_dim)).astype(np.float32)
+    sinks = rng.standard_normal(heads).astype(np.float32) * 3 if with_sinks else None
+    want = reference(q, keys, values, start, 0.2, window, sinks)
+    compiled = ops.attention(q, keys, values, start, 0.2, window, sinks)
+    monkeypatch.setattr(ops, "_compiled_softmax", lambda: None)
+    numpy = ops.attention(q, keys, values, start, 0.2, window, sinks)
+    assert np.abs(compiled - want).max() < 2e-5
+    assert np.abs(numpy - want).max() < 2e-5
+
+
+def test_masked_keys_count_for_nothing() -> None:
+    """Keys after a query (and before its window) leave its output unchanged, however large."""
+    rng = np.random.default_rng(3)
+    n, start, window = 16, 20, 10
+    q = rng.standard_normal((n, 4, 16)).astype(np.float32)
+    keys = rng.standard_normal((1, start + n, 16)).astype(np.float32)
+    values = rng.standard_normal((1, start + n, 16)).astype(np.float32)
+    before = ops.attention(q, keys, values, start, 0.25, window)
+    keys[:, :start - window + 1] *= 1e3  # before every query's window
+    values[:, :start - window + 1] = 1e6
+    np.testing.assert_array_equal(ops.attention(q, keys, values, start, 0.25, window), before)
+    keys[:, start + n - 1] *= 1e3  # seen only by the chunk's last query
+    values[:, start + n - 1] = 1e6
+    after = ops.attention(q, keys, values, start, 0.25, window)
+    np.testing.assert_array_equal(after[:-1], before[:-1])
+    assert np.abs(after[-1]).max() > 1e3
