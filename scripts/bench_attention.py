@@ -16,13 +16,13 @@ import lmserve  # noqa: F401  (first: it tunes OpenBLAS before NumPy loads, as t
 # isort: split
 import argparse
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_rounds import best_of, timed  # noqa: E402  (scripts/, this script's own directory)
+
 from lmserve.engine_cpu import CPUEngine, ops  # noqa: E402
 from lmserve.model.config import ModelConfig  # noqa: E402
 from lmserve.model.default_model import default_model_path  # noqa: E402
@@ -30,26 +30,8 @@ from lmserve.model.gguf_file import GGUFFile  # noqa: E402
 
 CHUNK, STARTS = 256, (0, 768, 3840)
 COMPILED = ops._compiled_softmax  # noqa: SLF001  (the switch this compares)
-
-
-def best_of(rounds: int, run: Callable[[], float]) -> dict[str, float]:
-    """`run`'s least seconds over `rounds` alternating rounds with each softmax."""
-    best = {"compiled": float("inf"), "numpy": float("inf")}
-    for _ in range(rounds):
-        for name in best:
-            ops._compiled_softmax = COMPILED if name == "compiled" else lambda: None  # noqa: SLF001
-            best[name] = min(best[name], run())
-    return best
-
-
-def timed(call: Callable[[], object], times: int) -> Callable[[], float]:
-    def run() -> float:
-        call()  # warm
-        start = time.perf_counter()
-        for _ in range(times):
-            call()
-        return (time.perf_counter() - start) / times
-    return run
+SIDES = {"compiled": lambda: setattr(ops, "_compiled_softmax", COMPILED),
+         "numpy": lambda: setattr(ops, "_compiled_softmax", lambda: None)}
 
 
 def main() -> None:
@@ -67,7 +49,7 @@ def main() -> None:
     for start in STARTS:
         q = rng.standard_normal((CHUNK, heads, head_dim)).astype(np.float32)
         keys, values = (rng.standard_normal((kv_heads, start + CHUNK, head_dim)).astype(np.float32) for _ in range(2))
-        best = best_of(args.rounds, timed(lambda q=q, k=keys, v=values, s=start: ops.attention(q, k, v, s, 0.125), 10))
+        best = best_of(args.rounds, timed(lambda q=q, k=keys, v=values, s=start: ops.attention(q, k, v, s, 0.125), 10), SIDES)
         rows.append((f"one layer's attention, {CHUNK} tokens after {start}", best, "ms", 1e3))
     ids = rng.integers(100, config.vocab_size, args.prompt_tokens).tolist()
     cache = engine.new_cache(args.prompt_tokens + 64)
@@ -76,10 +58,10 @@ def main() -> None:
         engine.truncate(cache, 0)
         engine.prefill(cache, ids)
 
-    best = best_of(args.rounds, timed(prefill, 1))
+    best = best_of(args.rounds, timed(prefill, 1), SIDES)
     rows.append((f"prefill, {args.prompt_tokens} tokens", {k: args.prompt_tokens / v for k, v in best.items()},
                  "tok/s", 1.0))
-    best = best_of(args.rounds, timed(lambda: (engine.decode([cache], [5]), engine.truncate(cache, len(ids))), 30))
+    best = best_of(args.rounds, timed(lambda: (engine.decode([cache], [5]), engine.truncate(cache, len(ids))), 30), SIDES)
     rows.append((f"decode step after {args.prompt_tokens} tokens", best, "ms", 1e3))
     print(f"{'':48} {'compiled':>10} {'numpy':>10} {'ratio':>6}")
     for label, best, unit, factor in rows:

@@ -15,7 +15,6 @@ import lmserve  # noqa: F401  (first: it tunes OpenBLAS before NumPy loads, as t
 # isort: split
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +22,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_rounds import timed  # noqa: E402  (scripts/, this script's own directory)
+
 from lmserve.engine_cpu import CPUEngine, int8_kernels  # noqa: E402
 from lmserve.engine_cpu.encodings import encode  # noqa: E402
 from lmserve.engine_cpu.qmatrix import QuantMatrix  # noqa: E402
@@ -44,16 +45,6 @@ def best_of(rounds: int, runs: dict[str, Callable[[], float]]) -> dict[str, floa
             int8_kernels.ENABLED = name.endswith("int8")
             best[name] = min(best[name], run())
     return best
-
-
-def timed(call: Callable[[], object], times: int) -> Callable[[], float]:
-    def run() -> float:
-        call()  # warm: first-call setup, the threads
-        start = time.perf_counter()
-        for _ in range(times):
-            call()
-        return (time.perf_counter() - start) / times
-    return run
 
 
 def products(qtype: GGMLQuantizationType, rows: int) -> Callable[[], object]:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from lmserve.engine_cpu import CPUEngine, int8_kernels
-from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, ExpertStack
+from lmserve.engine_cpu import CPUEngine, int8_kernels, moe
+from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, WIDE_VALUES, ExpertStack
 from lmserve.engine_cpu.quant_blocks import FACTORED_TYPES
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
@@ -66,6 +66,48 @@ def test_int8_rows_get_the_same_bits_whatever_they_are_batched_with(int8_dots: N
     groups, firsts = np.array([5, 0, 3]), np.array([0, 4, 5, 7])
     got = stack.times_grouped(x[:7], groups, firsts)
     for expert, start, stop in zip(groups.tolist(), firsts[:-1], firsts[1:], strict=True):
+        for row in range(start, stop):
+            assert np.array_equal(got[row], stack[expert].times(x[row:row + 1])[0])
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("qtype", "most"), [(T.Q4_K, 256), (T.Q8_0, int8_kernels.INT8_WIDE_ROWS)],
+                         ids=["nibbles", "int8"])
+def test_prompt_chunks_of_whole_wide_steps_run_the_int8_kernels(qtype: GGMLQuantizationType, most: int,
+                                                               int8_dots: None) -> None:
+    """A prompt chunk's product with rows of whole 128-value steps stays on the int8 kernels
+    (each row gets its one-row bits, which BLAS's rounding would not give): nibbles at any width,
+    int8 values up to INT8_WIDE_ROWS rows. Rows ending in 32-value steps, matrices under
+    WIDE_VALUES values and float32 activations dequantize for BLAS past KERNEL_ROWS."""
+    matrix, _ = encoded_matrix(qtype, WIDE_VALUES // 512, 512)
+    assert matrix.kernel_rows >= most
+    x = np.random.default_rng(4).standard_normal((most, 512)).astype(np.float32)
+    chunk = matrix.times(x)
+    for i in range(len(x)):
+        assert np.array_equal(matrix.times(x[i:i + 1])[0], chunk[i])
+    assert encoded_matrix(T.Q4_0, WIDE_VALUES // 19 // 32 + 1, 19 * 32)[0].kernel_rows == KERNEL_ROWS
+    assert encoded_matrix(qtype, 37, 512)[0].kernel_rows == KERNEL_ROWS  # a small matrix
+    int8_kernels.ENABLED = False  # the fixture restores it
+    assert matrix.kernel_rows == KERNEL_ROWS
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_a_prompt_chunks_expert_groups_give_each_row_its_experts_own_bits(qtype: GGMLQuantizationType,
+                                                                          int8_dots: None) -> None:
+    """Groups of a decode step's size and past INT8_WIDE_ROWS, in one call: Q4_K's all in the
+    grouped kernel (each row its one-row bits), Q6_K's large one on BLAS (its rows those of that
+    expert's own product)."""
+    experts, rows_each, large = 3, WIDE_VALUES // 512, int8_kernels.INT8_WIDE_ROWS + 10
+    stack = ExpertStack(encoded_matrix(qtype, experts * rows_each, 512)[0], experts)
+    x = np.random.default_rng(5).standard_normal((large + 5, 512)).astype(np.float32)
+    groups, firsts = np.array([0, 1, 2]), np.array([0, 3, large + 3, large + 5])
+    got = moe._grouped_product(x, stack, np.repeat(groups, np.diff(firsts)), firsts)
+    for expert, start, stop in zip(groups.tolist(), firsts[:-1], firsts[1:], strict=True):
+        if stop - start > stack[expert].kernel_rows:
+            assert qtype == T.Q6_K
+            assert np.array_equal(got[start:stop], stack[expert].times(x[start:stop]))
+            continue
         for row in range(start, stop):
             assert np.array_equal(got[row], stack[expert].times(x[row:row + 1])[0])
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import numpy as np
 from llvmlite import binding as llvm
@@ -35,6 +36,7 @@ from lmserve.engine_cpu.qmatrix import INT8, NIBBLES, SUPERBLOCK
 from lmserve.model.gguf_file import ModelLoadError
 
 WIDE, NARROW = 128, 32  # values a step: 512-bit vectors, then 128-bit ones past the last whole WIDE
+INT8_WIDE_ROWS = 128  # the most rows of int8 values a product runs here (`wide_rows`)
 _FEATURES = ("avx512vnni", "avx512bw", "avx512vl")
 
 
@@ -62,6 +64,18 @@ def choose(dots: str) -> None:
 def takes(values: np.dtype) -> bool:
     """Whether a matrix whose values have this dtype runs here (int8 and nibbles, on a VNNI CPU)."""
     return ENABLED and values in (INT8, NIBBLES)
+
+
+def wide_rows(values: np.dtype, columns: int) -> int:
+    """The most rows a product runs here rather than dequantized for BLAS, where that is more than
+    a decode step's (0: not here): rows of whole WIDE steps, any number for nibbles and up to
+    INT8_WIDE_ROWS for int8 values. Dequantizing costs BLAS a float32 copy of the matrix a call,
+    so a prompt chunk's 256 rows ran 1.1-1.8x faster here with nibbles (matrices of 1024 x 1024
+    to 11008 x 4096), int8 values up to 128 rows 1.0-1.9x and at 256 0.8-1.2x; rows that end in
+    NARROW steps, 0.7-1.1x (figures: docs/PERFORMANCE.md, measurements behind code choices)."""
+    if not takes(values) or columns % WIDE:
+        return 0
+    return sys.maxsize if values == NIBBLES else INT8_WIDE_ROWS
 
 
 def _vector(element: ir.Type, count: int) -> ir.VectorType:

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import numpy as np
 
 from lmserve.engine_cpu import ops
-from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, ExpertStack
-from lmserve.engine_cpu.weights import ExpertWeights
+from lmserve.engine_cpu.qmatrix import ExpertStack
+from lmserve.engine_cpu.weights import Experts, ExpertWeights
 from lmserve.model.families import ROUTE_TOPK_SOFTMAX
 
 Activation = Callable[[np.ndarray], np.ndarray]
@@ -69,40 +69,35 @@ def _experts(x: np.ndarray, m: ExpertWeights, chosen: np.ndarray, weights: np.nd
 def _expert_outputs(xs: np.ndarray, m: ExpertWeights, experts: np.ndarray, firsts: np.ndarray,
                     activation: Activation) -> np.ndarray:
     """Each row of `xs` through its expert (`experts`, sorted; group g is rows `firsts[g]:firsts[g +
-    1]`). Stacked experts with at most KERNEL_ROWS rows run in one grouped kernel call per matrix
-    (a decode step's, and most of a prompt chunk's when experts are many); larger groups dequantize
-    for BLAS one expert at a time, as `QuantMatrix.times` would. Either way a row gets the bits its
-    expert's own product gives it."""
-    sizes = np.diff(firsts)
-    stacked = isinstance(m.gate_up, ExpertStack) and isinstance(m.down, ExpertStack)
-    small = (sizes <= KERNEL_ROWS) & stacked
-    if small.all():  # every decode step
-        return _grouped_ffn(xs, m, experts, experts[firsts[:-1]], firsts, activation)
-    out = np.empty_like(xs)
-    if small.any():
-        in_small = np.repeat(small, sizes)
-        groups, ends = experts[firsts[:-1]][small], np.cumsum(sizes[small])
-        out[in_small] = _grouped_ffn(xs[in_small], m, experts[in_small], groups,
-                                     np.concatenate(([0], ends)), activation)
-    for group in np.flatnonzero(~small).tolist():
-        start, stop, expert = firsts[group], firsts[group + 1], int(experts[firsts[group]])
-        gate_up = ops.linear(xs[start:stop], m.gate_up[expert])
-        if m.gate_up_bias is not None:
-            gate_up += m.gate_up_bias[expert]
-        out[start:stop] = ops.linear(activation(gate_up), m.down[expert])
-        if m.down_bias is not None:
-            out[start:stop] += m.down_bias[expert]
-    return out
-
-
-def _grouped_ffn(xs: np.ndarray, m: ExpertWeights, experts: np.ndarray, groups: np.ndarray,
-                 firsts: np.ndarray, activation: Activation) -> np.ndarray:
-    """`_expert_outputs` for stacked experts of at most KERNEL_ROWS rows each: one grouped
-    kernel call for gate/up, one for down."""
-    gate_up = m.gate_up.times_grouped(xs, groups, firsts)
+    1]`), one matrix at a time (`_grouped_product`)."""
+    gate_up = _grouped_product(xs, m.gate_up, experts, firsts)
     if m.gate_up_bias is not None:
         gate_up += m.gate_up_bias[experts]
-    y = m.down.times_grouped(activation(gate_up), groups, firsts)
+    y = _grouped_product(activation(gate_up), m.down, experts, firsts)
     if m.down_bias is not None:
         y += m.down_bias[experts]
     return y
+
+
+def _grouped_product(xs: np.ndarray, matrices: Experts, experts: np.ndarray,
+                     firsts: np.ndarray) -> np.ndarray:
+    """Each group's rows times its expert's matrix transposed. The groups a stacked matrix's
+    kernels take (`QuantMatrix.kernel_rows`: every group of a decode step, most of a prompt
+    chunk's when experts are many) run in one grouped kernel call; larger ones (and unstacked
+    experts) one expert at a time, dequantized for BLAS as `QuantMatrix.times` would. Either way
+    a row gets the bits its expert's own product gives it."""
+    sizes = np.diff(firsts)
+    groups = experts[firsts[:-1]]
+    stacked = isinstance(matrices, ExpertStack)
+    in_kernel = sizes <= matrices[0].kernel_rows if stacked else np.zeros(len(sizes), bool)
+    if in_kernel.all():
+        return matrices.times_grouped(xs, groups, firsts)
+    out = np.empty((len(xs), len(matrices[0])), np.float32)
+    if in_kernel.any():
+        rows = np.repeat(in_kernel, sizes)
+        ends = np.cumsum(sizes[in_kernel])
+        out[rows] = matrices.times_grouped(xs[rows], groups[in_kernel], np.concatenate(([0], ends)))
+    for group in np.flatnonzero(~in_kernel).tolist():
+        rows = slice(firsts[group], firsts[group + 1])
+        out[rows] = ops.linear(xs[rows], matrices[int(groups[group])])
+    return out

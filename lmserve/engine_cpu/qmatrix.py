@@ -8,7 +8,8 @@ scales and offsets are held is theirs (`SCALE_FORMS`), each the fewest bytes tha
 file's float32 scale exactly. Decode-sized products (up to KERNEL_ROWS rows) run the compiled
 kernels, which read the values where they lie (0.59-2.1 bytes a value instead of float32's 4);
 wider ones (prompt chunks) dequantize a tile of rows at a time into float32 and hand it to BLAS,
-whose matrix product then costs more than the conversion.
+whose matrix product then costs more than the conversion, except where int8 activations beat it
+at any width (`QuantMatrix.kernel_rows`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ KERNEL_ROWS = 24
 # weights._retain_freed_heap), so a layer's matrices are one product each; smaller tiles cost BLAS
 # more than they save (figures: docs/PERFORMANCE.md, measurements behind code choices).
 TILE_VALUES = 1 << 22
+# Matrices of fewer values keep BLAS past KERNEL_ROWS even where int8 activations would take them:
+# SmolLM2's 576 x 1536 down projections on the kernels made its prompt 23% slower, their OpenMP
+# threads spinning on the cores the BLAS products around them ran next (figures: docs/PERFORMANCE.md).
+WIDE_VALUES = 1 << 20
 
 # `q`'s dtype -> values a element holds; the kernels decode each dtype their own way.
 INT8 = np.dtype(np.int8)  # one value a byte
@@ -93,12 +98,24 @@ class QuantMatrix:
         kernels.dequantize(*(part[ids] for part in self.arrays), out)
         return out
 
+    @property
+    def kernel_rows(self) -> int:
+        """The most rows a product runs on the kernels rather than on BLAS: KERNEL_ROWS, or more
+        for a matrix of at least WIDE_VALUES values where int8 activations beat BLAS at a prompt
+        chunk's width (`int8_kernels.wide_rows`)."""
+        from lmserve.engine_cpu import int8_kernels
+
+        rows, columns = self.shape
+        if rows * columns < WIDE_VALUES:
+            return KERNEL_ROWS
+        return max(KERNEL_ROWS, int8_kernels.wide_rows(self.q.dtype, columns))
+
     def times(self, x: np.ndarray) -> np.ndarray:
         """`x [n, in]` times this matrix transposed: `[n, out]` float32."""
         from lmserve.engine_cpu import kernels  # numba: only once a QuantMatrix exists (not on macOS)
 
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if len(x) <= KERNEL_ROWS:
+        if len(x) <= self.kernel_rows:
             return kernels.times(x, *self.arrays)
         step = max(1, TILE_VALUES // self.shape[1])
         tile = np.empty((min(step, len(self)), self.shape[1]), np.float32)
@@ -163,8 +180,8 @@ class ExpertStack:
 
     def times_grouped(self, x: np.ndarray, experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
         """`x [n, in]` whose rows `firsts[g]:firsts[g + 1]` go to expert `experts[g]`, each group
-        times its expert's matrix transposed: `[n, rows_each]` float32. For decode-sized groups
-        (at most KERNEL_ROWS rows each)."""
+        times its expert's matrix transposed: `[n, rows_each]` float32. For groups the kernels
+        take (at most `whole.kernel_rows` rows each)."""
         from lmserve.engine_cpu import kernels
 
         shape = (self.experts, self.rows_each, -1)
