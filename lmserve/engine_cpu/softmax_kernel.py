@@ -2,7 +2,7 @@
 
 NumPy's softmax over a pass's scores (`[kv_heads, group * n, seen]`) makes six passes (scale,
 causal mask, max, subtract, exp, sum and divide), each over the whole array and on one thread; a
-prompt chunk of 256 tokens after 768 cached spent 4.2 ms a layer in them against 1.1 ms here
+prompt chunk of 256 tokens after 768 cached spent 4.2 ms a layer in them against 1.8 ms here
 (figures: docs/PERFORMANCE.md, NumPy engine: prompt passes). Each row reads only the keys its
 query sees, so masked scores are never exponentiated. Numba's loops vectorize with reassociated
 max and sum, but leave a call to `expf` scalar: `_exp` is Cephes' single-precision exponential
