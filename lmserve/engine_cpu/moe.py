@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from lmserve.engine_cpu import ops
-from lmserve.engine_cpu.qmatrix import ExpertStack
+from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, ExpertStack
 from lmserve.engine_cpu.weights import Experts, ExpertWeights
 from lmserve.model.families import ROUTE_TOPK_SOFTMAX
 
@@ -86,10 +86,12 @@ def _grouped_product(xs: np.ndarray, matrices: Experts, experts: np.ndarray,
     chunk's when experts are many) run in one grouped kernel call; larger ones (and unstacked
     experts) one expert at a time, dequantized for BLAS as `QuantMatrix.times` would. Either way
     a row gets the bits its expert's own product gives it."""
-    sizes = np.diff(firsts)
+    sizes = firsts[1:] - firsts[:-1]
     groups = experts[firsts[:-1]]
-    stacked = isinstance(matrices, ExpertStack)
-    in_kernel = sizes <= matrices[0].kernel_rows if stacked else np.zeros(len(sizes), bool)
+    most = 0
+    if isinstance(matrices, ExpertStack):  # a decode step's groups need not ask the matrix
+        most = KERNEL_ROWS if sizes.max() <= KERNEL_ROWS else matrices[0].kernel_rows
+    in_kernel = sizes <= most
     if in_kernel.all():
         return matrices.times_grouped(xs, groups, firsts)
     out = np.empty((len(xs), len(matrices[0])), np.float32)

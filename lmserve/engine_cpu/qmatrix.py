@@ -115,7 +115,7 @@ class QuantMatrix:
         from lmserve.engine_cpu import kernels  # numba: only once a QuantMatrix exists (not on macOS)
 
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if len(x) <= self.kernel_rows:
+        if len(x) <= KERNEL_ROWS or len(x) <= self.kernel_rows:  # the first test: a decode step's, cheaper
             return kernels.times(x, *self.arrays)
         step = max(1, TILE_VALUES // self.shape[1])
         tile = np.empty((min(step, len(self)), self.shape[1]), np.float32)
