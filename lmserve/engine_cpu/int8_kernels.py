@@ -69,10 +69,10 @@ def takes(values: np.dtype) -> bool:
 def wide_rows(values: np.dtype, columns: int) -> int:
     """The most rows a product runs here rather than dequantized for BLAS, where that is more than
     a decode step's (0: not here): rows of whole WIDE steps, any number for nibbles and up to
-    INT8_WIDE_ROWS for int8 values. Dequantizing costs BLAS a float32 copy of the matrix a call,
-    so a prompt chunk's 256 rows ran 1.1-1.8x faster here with nibbles (matrices of 1024 x 1024
-    to 11008 x 4096), int8 values up to 128 rows 1.0-1.9x and at 256 0.8-1.2x; rows that end in
-    NARROW steps, 0.7-1.1x (figures: docs/PERFORMANCE.md, measurements behind code choices)."""
+    INT8_WIDE_ROWS for int8 values. Dequantizing costs BLAS a float32 copy of the matrix a call;
+    int8 values (twice the bytes, one more `vpdpbusd`) lose that lead past about 128 rows, and rows
+    that end in NARROW steps do not gain (figures: docs/PERFORMANCE.md, measurements behind code
+    choices)."""
     if not takes(values) or columns % WIDE:
         return 0
     return sys.maxsize if values == NIBBLES else INT8_WIDE_ROWS

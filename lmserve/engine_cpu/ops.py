@@ -187,13 +187,15 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     scores = qg @ keys.transpose(0, 2, 1)
     compiled = _compiled_softmax()
     if compiled is not None:
-        empty = np.empty(0, np.float32)
         compiled(scores, n, start, first, np.float32(scale), window,
-                 empty if sinks is None else np.ascontiguousarray(sinks, np.float32))
+                 _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32))
     else:
         _numpy_softmax(scores, n, start, first, scale, window, sinks)
     out = scores @ values  # [kv_heads, group * n, head_dim]
     return out.reshape(kv_heads, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, n_heads * head_dim)
+
+
+_NO_SINKS = np.empty(0, np.float32)
 
 
 @functools.cache

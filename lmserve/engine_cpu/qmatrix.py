@@ -27,8 +27,8 @@ KERNEL_ROWS = 24
 # more than they save (figures: docs/PERFORMANCE.md, measurements behind code choices).
 TILE_VALUES = 1 << 22
 # Matrices of fewer values keep BLAS past KERNEL_ROWS even where int8 activations would take them:
-# SmolLM2's 576 x 1536 down projections on the kernels made its prompt 23% slower, their OpenMP
-# threads spinning on the cores the BLAS products around them ran next (figures: docs/PERFORMANCE.md).
+# their gain is smaller than what the kernels' OpenMP threads, spinning after each call, cost the
+# BLAS products around them (figures: docs/PERFORMANCE.md, measurements behind code choices).
 WIDE_VALUES = 1 << 20
 
 # `q`'s dtype -> values a element holds; the kernels decode each dtype their own way.
@@ -181,7 +181,7 @@ class ExpertStack:
     def times_grouped(self, x: np.ndarray, experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
         """`x [n, in]` whose rows `firsts[g]:firsts[g + 1]` go to expert `experts[g]`, each group
         times its expert's matrix transposed: `[n, rows_each]` float32. For groups the kernels
-        take (at most `whole.kernel_rows` rows each)."""
+        take (at most an expert's `kernel_rows` rows each)."""
         from lmserve.engine_cpu import kernels
 
         shape = (self.experts, self.rows_each, -1)

@@ -1,14 +1,14 @@
 """Attention's masked softmax as one compiled pass per row, on the calling thread.
 
 NumPy's softmax over a pass's scores (`[kv_heads, group * n, seen]`) makes six passes (scale,
-causal mask, max, subtract, exp, sum and divide), each over the whole array and on one thread; a
-prompt chunk of 256 tokens after 768 cached spent 4.2 ms a layer in them against 1.8 ms here
+causal mask, max, subtract, exp, sum and divide), each over the whole array and on one thread
 (figures: docs/PERFORMANCE.md, NumPy engine: prompt passes). Each row reads only the keys its
 query sees, so masked scores are never exponentiated. Numba's loops vectorize with reassociated
 max and sum, but leave a call to `expf` scalar: `_exp` is Cephes' single-precision exponential
-(within 2 ulp), written so that they vectorize too. Rows are divided by their sum, as NumPy does:
-times its reciprocal, SmolLM2's q8_0 cache kept its f16 cache's top token at 62 of 64 positions
-instead of 63 (a quantized cache's rounding tips with any change in a float's last bits).
+(within 2 ulp), written so that they vectorize too. Rows are divided by their sum, as NumPy does,
+not multiplied by its reciprocal: a quantized KV cache's rounding tips with a float's last bits,
+and the fidelity tests' counts moved with it. It runs on the calling thread: on the kernels'
+OpenMP threads, the BLAS product after it waited for them to stop spinning (figures: ibid.).
 """
 
 from __future__ import annotations
