@@ -95,21 +95,23 @@ def test_prompt_chunks_of_whole_wide_steps_run_the_int8_kernels(qtype: GGMLQuant
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_a_prompt_chunks_expert_groups_give_each_row_its_experts_own_bits(qtype: GGMLQuantizationType,
                                                                           int8_dots: None) -> None:
-    """Groups of a decode step's size and past INT8_WIDE_ROWS, in one call: Q4_K's all in the
-    grouped kernel (each row its one-row bits), Q6_K's large one on BLAS (its rows those of that
-    expert's own product)."""
-    experts, rows_each, large = 3, WIDE_VALUES // 512, int8_kernels.INT8_WIDE_ROWS + 10
+    """Groups of a decode step's size and past INT8_WIDE_ROWS, in one call: all in the grouped
+    kernel (each row its one-row bits), though each expert alone is under WIDE_VALUES, since the
+    call reads the stack. With float32 activations the large group is on BLAS (its rows those of
+    that expert's own product)."""
+    experts, rows_each, large = 8, WIDE_VALUES // 512 // 4, int8_kernels.INT8_WIDE_ROWS + 10
     stack = ExpertStack(encoded_matrix(qtype, experts * rows_each, 512)[0], experts)
+    assert stack[0].kernel_rows == KERNEL_ROWS  # alone, an expert's chunk would go to BLAS
     x = np.random.default_rng(5).standard_normal((large + 5, 512)).astype(np.float32)
-    groups, firsts = np.array([0, 1, 2]), np.array([0, 3, large + 3, large + 5])
+    groups, firsts = np.array([0, 3, 7]), np.array([0, 3, large + 3, large + 5])
     got = moe._grouped_product(x, stack, np.repeat(groups, np.diff(firsts)), firsts)
     for expert, start, stop in zip(groups.tolist(), firsts[:-1], firsts[1:], strict=True):
-        if stop - start > stack[expert].kernel_rows:
-            assert qtype == T.Q6_K
-            assert np.array_equal(got[start:stop], stack[expert].times(x[start:stop]))
-            continue
         for row in range(start, stop):
             assert np.array_equal(got[row], stack[expert].times(x[row:row + 1])[0])
+    int8_kernels.ENABLED = False  # the fixture restores it
+    got = moe._grouped_product(x, stack, np.repeat(groups, np.diff(firsts)), firsts)
+    assert np.array_equal(got[3:large + 3], stack[3].times(x[3:large + 3]))
+    assert not np.array_equal(got[3], stack[3].times(x[3:4])[0])  # BLAS's rounding, not one row's
 
 
 @pytest.mark.fast

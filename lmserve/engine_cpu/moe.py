@@ -82,15 +82,15 @@ def _expert_outputs(xs: np.ndarray, m: ExpertWeights, experts: np.ndarray, first
 def _grouped_product(xs: np.ndarray, matrices: Experts, experts: np.ndarray,
                      firsts: np.ndarray) -> np.ndarray:
     """Each group's rows times its expert's matrix transposed. The groups a stacked matrix's
-    kernels take (`QuantMatrix.kernel_rows`: every group of a decode step, most of a prompt
-    chunk's when experts are many) run in one grouped kernel call; larger ones (and unstacked
-    experts) one expert at a time, dequantized for BLAS as `QuantMatrix.times` would. Either way
-    a row gets the bits its expert's own product gives it."""
+    kernels take (`ExpertStack.kernel_rows`: every group of a decode step, and of a prompt chunk
+    where int8 activations take the stack) run in one grouped kernel call; larger ones (and
+    unstacked experts) one expert at a time, dequantized for BLAS as `QuantMatrix.times` would.
+    Either way a row gets the bits of its expert's own product (on the kernels, one row's)."""
     sizes = firsts[1:] - firsts[:-1]
     groups = experts[firsts[:-1]]
     most = 0
     if isinstance(matrices, ExpertStack):  # a decode step's groups need not ask the matrix
-        most = KERNEL_ROWS if sizes.max() <= KERNEL_ROWS else matrices[0].kernel_rows
+        most = KERNEL_ROWS if sizes.max() <= KERNEL_ROWS else matrices.kernel_rows
     in_kernel = sizes <= most
     if in_kernel.all():
         return matrices.times_grouped(xs, groups, firsts)

@@ -14,6 +14,7 @@ at any width (`QuantMatrix.kernel_rows`).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -177,6 +178,15 @@ class ExpertStack:
 
     def __iter__(self) -> Iterator[QuantMatrix]:
         return (self[expert] for expert in range(self.experts))
+
+    @property
+    def kernel_rows(self) -> int:
+        """The most rows a group of a prompt chunk runs in the grouped kernel call rather than on
+        BLAS: any number where int8 activations take the whole stack at a chunk's width (one call
+        reads the stack, so WIDE_VALUES is the stack's, not one expert's), else KERNEL_ROWS. A
+        group past INT8_WIDE_ROWS still gains there: on BLAS it would dequantize its expert in a
+        call of its own (figures: docs/PERFORMANCE.md, measurements behind code choices)."""
+        return sys.maxsize if self.whole.kernel_rows > KERNEL_ROWS else KERNEL_ROWS
 
     def times_grouped(self, x: np.ndarray, experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
         """`x [n, in]` whose rows `firsts[g]:firsts[g + 1]` go to expert `experts[g]`, each group
