@@ -12,7 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from lmserve.engine_cpu import CPUEngine, int8_kernels, moe
-from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, WIDE_VALUES, ExpertStack
+from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, SUPERBLOCK, WIDE_VALUES, ExpertStack
 from lmserve.engine_cpu.quant_blocks import FACTORED_TYPES
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
@@ -46,7 +46,7 @@ def test_int8_products_are_the_products_of_x_rounded_to_int8(qtype: GGMLQuantiza
         matrix, values = encoded_matrix(qtype, 37, columns)
         for rows in (1, 2, 5, 7, KERNEL_ROWS):
             x = np.random.default_rng(rows).standard_normal((rows, columns)).astype(np.float32)
-            want = rounded(x, matrix.block).astype(np.float64) @ values.T.astype(np.float64)
+            want = rounded(x, SUPERBLOCK if int8_kernels._by_superblock(matrix.q, matrix.scale) else matrix.block).astype(np.float64) @ values.T.astype(np.float64)
             exact = x.astype(np.float64) @ values.T.astype(np.float64)
             got = matrix.times(x)
             scale = float(np.abs(exact).max())

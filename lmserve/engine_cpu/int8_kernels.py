@@ -6,8 +6,11 @@ activations). These quantize each row of x to int8 per weight block first (`dx *
 then multiply the weights' integers with it in int32: AVX-512 VNNI's `vpdpbusd` does 64 byte
 products an instruction. A block's term is `scale * dx * (q . xq) + offset * dx * sum(xq)`, the
 sums of the quantized values as llama.cpp's q8 blocks keep them, so a centered type's `d*(q-8)`
-gives the same terms either way. Rows are independent, and their blocks are summed in one order
-whatever rows share the call, so a row's result does not depend on what it is batched with.
+gives the same terms either way. Nibbles with FACTORED scales (Q4_K, Q3_K, Q2_K) round x per
+superblock of 256 values instead, as llama.cpp's Q8_K does: the int8 sub-block scales then multiply
+the int32 products in integers (`vpdpwssd`), and one float multiply-add a superblock replaces one a
+block (`_by_superblock`). Rows are independent, and their blocks are summed in one order whatever
+rows share the call, so a row's result does not depend on what it is batched with.
 
 Values are read 128 at a time with 512-bit vectors, then 32 at a time with 128-bit ones past the
 last whole 128. `vpdpbusd` multiplies unsigned bytes with signed ones: nibbles (0..15) are the
@@ -31,8 +34,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from lmserve.engine_cpu.kernel_ir import F32, I8, I32, I64, OUTS, Builder
-from lmserve.engine_cpu.qmatrix import INT8, NIBBLES, SUPERBLOCK
+from lmserve.engine_cpu.kernel_ir import F32, I8, I16, I32, I64, OUTS, Builder
+from lmserve.engine_cpu.qmatrix import FACTORED, INT8, NIBBLES, SUPERBLOCK
 from lmserve.model.gguf_file import ModelLoadError
 
 WIDE, NARROW = 128, 32  # values a step: 512-bit vectors, then 128-bit ones past the last whole WIDE
@@ -94,6 +97,8 @@ class _Step:
         self.dot = cgutils.get_or_insert_function(
             self.b.module, ir.FunctionType(lanes_vector, [lanes_vector, bytes_vector, bytes_vector]),
             f"llvm.x86.avx512.vpdpbusd.{self.bytes * 8}")
+        self.scaled_dot = cgutils.get_or_insert_function(
+            self.b.module, ir.FunctionType(lanes_vector, [lanes_vector] * 3), f"llvm.x86.avx512.vpdpwssd.{self.bytes * 8}")
         self.zero = ir.Constant(lanes_vector, [0] * self.lanes)
         # Each of the two vectors' int32 lanes -> the block (of this step) its 4 products are in.
         if nibbles:  # lane l: 16-byte chunk l // 4 of the low halves (values 0-15 of 32) or high (16-31)
@@ -145,7 +150,8 @@ class _Step:
 
 def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
     """`out[r0 + r, o0 + j] = sum_b scale[o, b] * dx[r0 + r, b] * (q[o, b] . xq[r0 + r, b]) +
-    offset[o, b] * xsum[r0 + r, b]` (o = o0 + j) for r < `rows`, j < `outs`: a tile of the result."""
+    offset[o, b] * xsum[r0 + r, b]` (o = o0 + j) for r < `rows`, j < `outs`: a tile of the result
+    (dx a superblock's, not a block's, where `_by_superblock`)."""
     @intrinsic
     def dots(typingctx, xq, q, scale, offset, supers, dx, xsum, out, o0, r0):  # noqa: ANN001, ANN202, ARG001
         def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
@@ -164,16 +170,25 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
             narrow = b.udiv(b.sub(values, b.mul(wide, ir.Constant(I64, WIDE))), ir.Constant(I64, NARROW))
             totals = [[cgutils.alloca_once_value(b, ir.Constant(F32, 0.0)) for _ in range(rows)] for _ in range(outs)]
 
+            def accumulators(width: int) -> list[list[ir.Value]]:
+                """A zeroed float32 vector of `width` lanes on the stack for each cell of the tile."""
+                zero = ir.Constant(_vector(F32, width), [0.0] * width)
+                return [[cgutils.alloca_once_value(b, zero) for _ in range(rows)] for _ in range(outs)]
+
+            def add_up(acc: list[list[ir.Value]], acc_offset: list[list[ir.Value]]) -> None:
+                """Each cell's two accumulators, summed into its total."""
+                for j in range(outs):
+                    for r in range(rows):
+                        part = b.fadd(k.horizontal_sum(b.load(acc[j][r])), k.horizontal_sum(b.load(acc_offset[j][r])))
+                        b.store(b.fadd(b.load(totals[j][r]), part), totals[j][r])
+
             def blocks_of(size: int) -> None:
                 for width, steps, start in ((WIDE, wide, ir.Constant(I64, 0)),
                                             (NARROW, narrow, b.mul(wide, ir.Constant(I64, WIDE)))):
                     step = _Step(k, width, size, nibbles)
                     lanes = _vector(F32, step.lanes)
                     blocks = _vector(F32, step.blocks)
-                    acc = [[cgutils.alloca_once_value(b, ir.Constant(lanes, [0.0] * step.lanes)) for _ in range(rows)]
-                           for _ in range(outs)]
-                    acc_offset = [[cgutils.alloca_once_value(b, ir.Constant(blocks, [0.0] * step.blocks))
-                                   for _ in range(rows)] for _ in range(outs)]
+                    acc, acc_offset = accumulators(step.lanes), accumulators(step.blocks)
                     with cgutils.for_range(b, steps) as loop:
                         first = b.add(start, b.mul(loop.index, ir.Constant(I64, width)))
                         block = b.udiv(first, ir.Constant(I64, size))
@@ -194,12 +209,48 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
                                     b.store(b.call(k.fma(lanes), [b.sitofp(product, lanes), per_lane, b.load(acc[j][r])]),
                                             acc[j][r])
                                 b.store(b.call(k.fma(blocks), [m, sums[r], b.load(acc_offset[j][r])]), acc_offset[j][r])
-                    for j in range(outs):
-                        for r in range(rows):
-                            part = b.fadd(k.horizontal_sum(b.load(acc[j][r])), k.horizontal_sum(b.load(acc_offset[j][r])))
-                            b.store(b.fadd(b.load(totals[j][r]), part), totals[j][r])
+                    add_up(acc, acc_offset)
 
-            k.by_block_size(blocks_of, 1, 2)
+            def superblocks_of(size: int) -> None:
+                """Nibbles with FACTORED scales (Q4_K, Q3_K, Q2_K): x has one dx a superblock, so
+                the sub-block scales multiply its int32 products in integers (`vpdpwssd`: a
+                product of 8 nibbles fits an int16), and its float factor and dx scale the sum
+                once, as llama.cpp's Q8_K products do."""
+                step = _Step(k, WIDE, size, nibbles)
+                per = SUPERBLOCK // size
+                lanes, lanes_i, blocks = _vector(F32, step.lanes), _vector(I32, step.lanes), _vector(F32, per)
+                acc, acc_offset = accumulators(step.lanes), accumulators(per)
+                with cgutils.for_range(b, b.udiv(values, ir.Constant(I64, SUPERBLOCK))) as loop:
+                    first_block = b.mul(loop.index, ir.Constant(I64, per))
+                    integer = [[ir.Constant(lanes_i, [0] * step.lanes)] * rows for _ in range(outs)]
+                    for half in range(SUPERBLOCK // WIDE):
+                        first = b.add(b.mul(loop.index, ir.Constant(I64, SUPERBLOCK)), ir.Constant(I64, half * WIDE))
+                        block = b.add(first_block, ir.Constant(I64, half * step.blocks))
+                        xs = [step.activations(row, first) for row in xrows]
+                        for j, (qrow, (srow, _, _)) in enumerate(zip(qrows, sources, strict=True)):
+                            # Each lane's scale as the low int16 of an int32 (the high one 0)
+                            subs = b.zext(b.sext(k.load_vector(srow, block, _vector(I8, step.blocks)),
+                                                 _vector(I16, step.blocks)), _vector(I32, step.blocks))
+                            scales = {tuple(lane_map): b.shuffle_vector(subs, subs, ir.Constant(lanes_i, lane_map))
+                                      for lane_map in step.maps}
+                            weights = step.weights(qrow, first)
+                            for r in range(rows):
+                                for product, lane_map in step.products(weights, None, xs[r]):
+                                    integer[j][r] = b.call(step.scaled_dot, [integer[j][r], product, scales[tuple(lane_map)]])
+                    dxs = [b.load(k.at(row, loop.index)) for row in dxrows]
+                    sums = [k.load_vector(row, first_block, blocks) for row in sumrows]
+                    factors = b.shl(loop.index, ir.Constant(I64, 1))
+                    for j, (_, mrow, super_row) in enumerate(sources):
+                        factor = b.load(k.at(super_row, factors))
+                        m = k.expand(mrow, first_block, per, k.dtypes[2], k.at(super_row, b.add(factors, ir.Constant(I64, 1))))
+                        for r in range(rows):
+                            scaled = k.splat(b.fmul(factor, dxs[r]), step.lanes)
+                            b.store(b.call(k.fma(lanes), [b.sitofp(integer[j][r], lanes), scaled, b.load(acc[j][r])]),
+                                    acc[j][r])
+                            b.store(b.call(k.fma(blocks), [m, sums[r], b.load(acc_offset[j][r])]), acc_offset[j][r])
+                add_up(acc, acc_offset)
+
+            k.by_block_size(superblocks_of if nibbles and k.dtypes[2] == types.int8 else blocks_of, 1, 2)
             for j in range(outs):
                 for r in range(rows):
                     b.store(b.load(totals[j][r]), k.at(k.row(7, r_index[r]), o_index[j]))
@@ -226,10 +277,11 @@ def _tiles(xq, q, scale, offset, supers, dx, xsum, out, o, r, stop):  # noqa: AN
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _times(x, q, scale, offset, supers, nibbles):  # noqa: ANN001, ANN202
+def _times(x, q, scale, offset, supers, nibbles, superblocks):  # noqa: ANN001, ANN202
     """x rounded to int8 (one call: a launch's own cost is a few microseconds, and a decode step
     makes 100-400 of them), then its product with the matrix."""
-    xq, dx, xsum = _quantize(x, x.shape[1] // scale.shape[1], nibbles)
+    size = x.shape[1] // scale.shape[1]
+    xq, dx, xsum = _quantize(x, size, SUPERBLOCK if superblocks else size, nibbles)
     out = np.empty((x.shape[0], q.shape[0]), np.float32)
     if x.shape[0] == 1:
         for o in prange(q.shape[0]):
@@ -241,8 +293,9 @@ def _times(x, q, scale, offset, supers, nibbles):  # noqa: ANN001, ANN202
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _grouped_times(x, q, scale, offset, supers, nibbles, experts, firsts):  # noqa: ANN001, ANN202
-    xq, dx, xsum = _quantize(x, x.shape[1] // scale.shape[2], nibbles)
+def _grouped_times(x, q, scale, offset, supers, nibbles, superblocks, experts, firsts):  # noqa: ANN001, ANN202
+    size = x.shape[1] // scale.shape[2]
+    xq, dx, xsum = _quantize(x, size, SUPERBLOCK if superblocks else size, nibbles)
     out = np.empty((x.shape[0], q.shape[1]), np.float32)
     rows = q.shape[1]
     if firsts[-1] == len(experts):
@@ -260,46 +313,55 @@ def _grouped_times(x, q, scale, offset, supers, nibbles, experts, firsts):  # no
 
 
 @njit(cache=True, nogil=True)
-def _quantize(x, size, nibbles):  # noqa: ANN001, ANN202
-    """Each block of `size` values of each row of x as `dx * xq`, |xq| <= 127 (NaN dx where the
-    block is not finite), and `dx * sum(xq)`. int8 weights' x is stored as xq + 128 (the unsigned
+def _quantize(x, size, group, nibbles):  # noqa: ANN001, ANN202
+    """Each `group` values of each row of x as `dx * xq`, |xq| <= 127 (NaN dx where the group is
+    not finite): `group` is the weights' block `size`, or a superblock for FACTORED scales; and
+    `dx * sum(xq)` of each block of `size`. int8 weights' x is stored as xq + 128 (the unsigned
     side); nibbles' in each whole WIDE group as the low halves' values, then the high halves'."""
     n, columns = x.shape
     xq = np.empty((n, columns), np.int8)
-    dx, xsum = np.empty((n, columns // size), np.float32), np.empty((n, columns // size), np.float32)
+    dx, xsum = np.empty((n, columns // group), np.float32), np.empty((n, columns // size), np.float32)
     wide = columns // WIDE * WIDE
     for r in range(n):
-        for block in range(columns // size):
-            start = block * size
+        for g in range(columns // group):
+            start = g * group
             peak, total = np.float32(0.0), np.float32(0.0)
-            for i in range(start, start + size):
+            for i in range(start, start + group):
                 peak = max(peak, abs(x[r, i]))
                 total += x[r, i]
             d = peak / np.float32(127.0)
             inverse = np.float32(127.0) / peak if peak > 0 else np.float32(0.0)
-            quantized = 0
-            for i in range(start, start + size):
-                v = int(np.rint(x[r, i] * inverse))
-                quantized += v
-                at = i
-                if nibbles and i < wide:  # value c*32 + h*16 + t of a group -> h*64 + c*16 + t
-                    within = i % WIDE
-                    at = i - within + (within % 32 // 16) * 64 + within // 32 * 16 + within % 16
-                xq[r, at] = v if nibbles else v + 128 - 256 * (v >= 0)  # the byte of v + 128
-            dx[r, block] = d if np.isfinite(total) else np.float32(np.nan)
-            xsum[r, block] = d * np.float32(quantized)
+            for block in range(start // size, (start + group) // size):
+                quantized = 0
+                for i in range(block * size, (block + 1) * size):
+                    v = int(np.rint(x[r, i] * inverse))
+                    quantized += v
+                    at = i
+                    if nibbles and i < wide:  # value c*32 + h*16 + t of a group -> h*64 + c*16 + t
+                        within = i % WIDE
+                        at = i - within + (within % 32 // 16) * 64 + within // 32 * 16 + within % 16
+                    xq[r, at] = v if nibbles else v + 128 - 256 * (v >= 0)  # the byte of v + 128
+                xsum[r, block] = d * np.float32(quantized)
+            dx[r, g] = d if np.isfinite(total) else np.float32(np.nan)
     return xq, dx, xsum
+
+
+def _by_superblock(q: np.ndarray, scale: np.ndarray) -> bool:
+    """Whether x is rounded a superblock at a time (`_dots`' `superblocks_of`): nibbles with
+    FACTORED scales. int8 values keep a dx a block: the `vpmulld` they would need (a product of
+    IQ4_XS's values overflows an int16) made Q6_K's products 5-15% slower."""
+    return q.dtype == NIBBLES and scale.dtype == FACTORED
 
 
 def times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray) -> np.ndarray:
     """`kernels.times` for int8 and nibble values."""
-    return _times(x, q, scale, offset, supers, q.dtype == NIBBLES)
+    return _times(x, q, scale, offset, supers, q.dtype == NIBBLES, _by_superblock(q, scale))
 
 
 def grouped_times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray,
                   experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
     """`kernels.grouped_times` for int8 and nibble values."""
-    return _grouped_times(x, q, scale, offset, supers, q.dtype == NIBBLES, experts, firsts)
+    return _grouped_times(x, q, scale, offset, supers, q.dtype == NIBBLES, _by_superblock(q, scale), experts, firsts)
 
 
 def prepare(q: types.Array, scales: types.Array, ids: types.Array | None = None) -> None:
@@ -307,6 +369,6 @@ def prepare(q: types.Array, scales: types.Array, ids: types.Array | None = None)
     plain one, or with `ids` the grouped one for expert stacks."""
     matrix, cube = types.Array(types.float32, 2, "C"), types.Array(types.float32, 3, "C")
     if ids is None:
-        _times.compile((matrix, q, scales, scales, matrix, types.boolean))
+        _times.compile((matrix, q, scales, scales, matrix, types.boolean, types.boolean))
     else:
-        _grouped_times.compile((matrix, q, scales, scales, cube, types.boolean, ids, ids))
+        _grouped_times.compile((matrix, q, scales, scales, cube, types.boolean, types.boolean, ids, ids))
