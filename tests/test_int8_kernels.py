@@ -55,6 +55,22 @@ def test_int8_products_are_the_products_of_x_rounded_to_int8(qtype: GGMLQuantiza
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q4_0, T.Q6_K], ids=lambda t: t.name)
+def test_a_row_that_is_not_finite_gives_nan_and_leaves_the_others_alone(qtype: GGMLQuantizationType,
+                                                                        int8_dots: None) -> None:
+    """An inf or a NaN in a row's x makes that row's results NaN (its dx), not a finite guess,
+    and the rows batched with it keep their bits."""
+    matrix, _ = encoded_matrix(qtype, 37, 512)
+    x = np.random.default_rng(6).standard_normal((6, 512)).astype(np.float32)
+    finite = matrix.times(x)
+    x[2, 100], x[4, 7] = np.inf, np.nan
+    got = matrix.times(x)
+    assert np.isnan(got[[2, 4]]).all()
+    assert np.array_equal(np.delete(got, [2, 4], axis=0), np.delete(finite, [2, 4], axis=0))
+    assert np.isnan(matrix.times(x[4:5])).all()
+
+
+@pytest.mark.fast
 def test_int8_rows_get_the_same_bits_whatever_they_are_batched_with(int8_dots: None) -> None:
     matrix, _ = encoded_matrix(T.Q4_K, 97, 512)
     x = np.random.default_rng(2).standard_normal((KERNEL_ROWS, 512)).astype(np.float32)
