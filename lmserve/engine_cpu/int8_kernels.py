@@ -39,6 +39,9 @@ from lmserve.engine_cpu.qmatrix import FACTORED, INT8, NIBBLES, SUPERBLOCK
 from lmserve.model.gguf_file import ModelLoadError
 
 WIDE, NARROW = 128, 32  # values a step: 512-bit vectors, then 128-bit ones past the last whole WIDE
+# x values from which `_quantize` runs on the kernels' threads: below, a decode step's rows, the
+# launch cost more than it gained (figures: docs/PERFORMANCE.md, measurements behind code choices).
+PARALLEL_VALUES = 1 << 15
 RUN = 16  # x values quantized and stored together: nibbles' x moves in runs of 16 (`_quantize`)
 INT8_WIDE_ROWS = 128  # the most rows of int8 values a product runs here (`wide_rows`)
 _FEATURES = ("avx512vnni", "avx512bw", "avx512vl")
@@ -319,12 +322,13 @@ def _quantize(x, size, group, nibbles):  # noqa: ANN001, ANN202
     not finite): `group` is the weights' block `size`, or a superblock for FACTORED scales; and
     `dx * sum(xq)` of each block of `size`. int8 weights' x is stored as xq + 128 (the unsigned
     side); nibbles' in each whole WIDE group as the low halves' values, then the high halves'.
-    Rows on the kernels' threads where there are several (a prompt chunk's)."""
+    Rows on the kernels' threads where there are many (a prompt chunk's)."""
     n, columns = x.shape
     xq = np.empty((n, columns), np.int8)
     dx, xsum = np.empty((n, columns // group), np.float32), np.empty((n, columns // size), np.float32)
-    if n == 1:  # a decode step's: no thread launch
-        _quantize_row(x, xq, dx, xsum, 0, size, group, nibbles)
+    if n * columns < PARALLEL_VALUES:  # a decode step's: a thread launch costs more
+        for r in range(n):
+            _quantize_row(x, xq, dx, xsum, r, size, group, nibbles)
     else:
         for r in prange(n):
             _quantize_row(x, xq, dx, xsum, r, size, group, nibbles)
@@ -375,8 +379,9 @@ def _quantize_row(x, xq, dx, xsum, r, size, group, nibbles):  # noqa: ANN001, AN
 
 def _by_superblock(q: np.ndarray, scale: np.ndarray) -> bool:
     """Whether x is rounded a superblock at a time (`_dots`' `superblocks_of`): nibbles with
-    FACTORED scales. int8 values keep a dx a block: the `vpmulld` they would need (a product of
-    IQ4_XS's values overflows an int16) made Q6_K's products 5-15% slower."""
+    FACTORED scales. int8 values keep a dx a block: their products gained nothing by superblock
+    (bytes bound them, not the scaling), and IQ4_XS's would overflow `vpdpwssd`'s int16 (figures:
+    docs/PERFORMANCE.md, measurements behind code choices)."""
     return q.dtype == NIBBLES and scale.dtype == FACTORED
 
 
