@@ -29,11 +29,9 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_rounds import best_of, timed  # noqa: E402  (scripts/, this script's own directory)
+from bench_rounds import best_of, best_prefill, timed  # noqa: E402  (scripts/, this script's own directory)
 
-from lmserve.engine_cpu import CPUEngine, int8_kernels  # noqa: E402
-from lmserve.model.config import ModelConfig  # noqa: E402
-from lmserve.model.gguf_file import GGUFFile  # noqa: E402
+from lmserve.engine_cpu import int8_kernels  # noqa: E402
 from tests.test_qmatrix import encoded_matrix  # noqa: E402
 
 T = GGMLQuantizationType
@@ -92,11 +90,7 @@ def main() -> None:
 
 def engine_rows(args: argparse.Namespace, sides: dict[str, Callable[[], None]]) -> None:
     """The model's prefill and decode steps, each side in turn."""
-    gguf = GGUFFile(args.model)
-    config = ModelConfig.from_gguf(gguf)
-    engine = CPUEngine(gguf, config)
-    ids = np.random.default_rng(0).integers(100, config.vocab_size, args.prompt_tokens).tolist()
-    best = best_of(args.rounds, timed(lambda: engine.prefill(engine.new_cache(len(ids)), ids), 1), sides)
+    engine, ids, best = best_prefill(args.model, args.prompt_tokens, args.rounds, sides)
     print(f"{args.model.name} prefill, {len(ids)} tokens: {len(ids) / best['here']:.0f} / "
           f"{len(ids) / best[args.against]:.0f} tok/s = {best[args.against] / best['here']:.2f}")
     for streams in STREAMS:

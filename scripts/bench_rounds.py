@@ -1,10 +1,17 @@
-"""What the in-process A/B benchmarks share: timing a call, and the best of alternating rounds
-(this machine's speed drifts within minutes, so the two sides take turns)."""
+"""What the in-process A/B benchmarks share: timing a call, the best of alternating rounds (this
+machine's speed drifts within minutes, so the two sides take turns), and a model's prefill."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from lmserve.engine_cpu import CPUEngine
+from lmserve.model.config import ModelConfig
+from lmserve.model.gguf_file import GGUFFile
 
 
 def timed(call: Callable[[], object], times: int) -> Callable[[], float]:
@@ -26,3 +33,14 @@ def best_of(rounds: int, run: Callable[[], float], sides: dict[str, Callable[[],
             choose()
             best[name] = min(best[name], run())
     return best
+
+
+def best_prefill(model: Path, tokens: int, rounds: int,
+                 sides: dict[str, Callable[[], None]]) -> tuple[CPUEngine, list[int], dict[str, float]]:
+    """The NumPy engine on `model`, a prompt of `tokens` random ids (past the first 100, which
+    hold special tokens), and each side's least seconds to prefill it into a new cache."""
+    gguf = GGUFFile(model)
+    config = ModelConfig.from_gguf(gguf)
+    engine = CPUEngine(gguf, config)
+    ids = np.random.default_rng(0).integers(100, config.vocab_size, tokens).tolist()
+    return engine, ids, best_of(rounds, timed(lambda: engine.prefill(engine.new_cache(len(ids)), ids), 1), sides)

@@ -24,11 +24,9 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_rounds import best_of, timed  # noqa: E402  (scripts/, this script's own directory)
+from bench_rounds import best_of, best_prefill, timed  # noqa: E402  (scripts/, this script's own directory)
 
-from lmserve.engine_cpu import CPUEngine, int8_kernels  # noqa: E402
-from lmserve.model.config import ModelConfig  # noqa: E402
-from lmserve.model.gguf_file import GGUFFile  # noqa: E402
+from lmserve.engine_cpu import int8_kernels  # noqa: E402
 from tests.test_qmatrix import encoded_matrix  # noqa: E402
 
 T = GGMLQuantizationType
@@ -61,11 +59,7 @@ def main() -> None:
                 cells.append(f"{best['kernels'] * 1e3:7.2f} / {best['blas'] * 1e3:7.2f} = {best['blas'] / best['kernels']:4.2f}x")
             print(f"{qtype.name:6} {shape[0]:>5} x {shape[1]:<5}  " + "  ".join(cells), flush=True)
     if args.model:
-        gguf = GGUFFile(args.model)
-        config = ModelConfig.from_gguf(gguf)
-        engine = CPUEngine(gguf, config)
-        ids = np.random.default_rng(0).integers(0, config.vocab_size, args.prompt_tokens).tolist()
-        best = best_of(args.rounds, timed(lambda: engine.prefill(engine.new_cache(len(ids)), ids), 1), SIDES)
+        _, ids, best = best_prefill(args.model, args.prompt_tokens, args.rounds, SIDES)
         print(f"{args.model.name} prefill, {len(ids)} tokens: kernels {len(ids) / best['kernels']:.0f} tok/s, "
               f"BLAS {len(ids) / best['blas']:.0f} tok/s = {best['blas'] / best['kernels']:.2f}x")
 

@@ -33,6 +33,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+from numba.np.numpy_support import as_dtype
 
 from lmserve.engine_cpu.kernel_ir import F32, I8, I16, I32, I64, OUTS, Builder
 from lmserve.engine_cpu.qmatrix import FACTORED, INT8, NIBBLES, SUPERBLOCK
@@ -216,7 +217,7 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
                     add_up(acc, acc_offset)
 
             def superblocks_of(size: int) -> None:
-                """Nibbles with FACTORED scales (Q4_K, Q3_K, Q2_K): x has one dx a superblock, so
+                """`_by_superblock` matrices (Q4_K, Q3_K, Q2_K): x has one dx a superblock, so
                 the sub-block scales multiply its int32 products in integers (`vpdpwssd`: a
                 product of 8 nibbles fits an int16), and its float factor and dx scale the sum
                 once, as llama.cpp's Q8_K products do."""
@@ -254,7 +255,8 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
                             b.store(b.call(k.fma(blocks), [m, sums[r], b.load(acc_offset[j][r])]), acc_offset[j][r])
                 add_up(acc, acc_offset)
 
-            k.by_block_size(superblocks_of if nibbles and k.dtypes[2] == types.int8 else blocks_of, 1, 2)
+            by_superblock = _by_superblock(*(as_dtype(k.dtypes[i]) for i in (1, 2)))
+            k.by_block_size(superblocks_of if by_superblock else blocks_of, 1, 2)
             for j in range(outs):
                 for r in range(rows):
                     b.store(b.load(totals[j][r]), k.at(k.row(7, r_index[r]), o_index[j]))
@@ -319,7 +321,7 @@ def _grouped_times(x, q, scale, offset, supers, nibbles, superblocks, experts, f
 @njit(parallel=True, cache=True, nogil=True)
 def _quantize(x, size, group, nibbles):  # noqa: ANN001, ANN202
     """Each `group` values of each row of x as `dx * xq`, |xq| <= 127 (NaN dx where the group is
-    not finite): `group` is the weights' block `size`, or a superblock for FACTORED scales; and
+    not finite): `group` is the weights' block `size`, or a superblock (`_by_superblock`); and
     `dx * sum(xq)` of each block of `size`. int8 weights' x is stored as xq + 128 (the unsigned
     side); nibbles' in each whole WIDE group as the low halves' values, then the high halves'.
     Rows on the kernels' threads where there are many (a prompt chunk's)."""
@@ -377,23 +379,23 @@ def _quantize_row(x, xq, dx, xsum, r, size, group, nibbles):  # noqa: ANN001, AN
         dx[r, g] = d if largest < np.uint32(0x7F800000) else np.float32(np.nan)
 
 
-def _by_superblock(q: np.ndarray, scale: np.ndarray) -> bool:
-    """Whether x is rounded a superblock at a time (`_dots`' `superblocks_of`): nibbles with
-    FACTORED scales. int8 values keep a dx a block: their products gained nothing by superblock
+def _by_superblock(values: np.dtype, scales: np.dtype) -> bool:
+    """Whether x is rounded a superblock at a time for a matrix of these dtypes (`_quantize`), and
+    its product is `_dots`' `superblocks_of`: nibbles with FACTORED scales. int8 values keep a dx a block: their products gained nothing by superblock
     (bytes bound them, not the scaling), and IQ4_XS's would overflow `vpdpwssd`'s int16 (figures:
     docs/PERFORMANCE.md, measurements behind code choices)."""
-    return q.dtype == NIBBLES and scale.dtype == FACTORED
+    return values == NIBBLES and scales == FACTORED
 
 
 def times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray) -> np.ndarray:
     """`kernels.times` for int8 and nibble values."""
-    return _times(x, q, scale, offset, supers, q.dtype == NIBBLES, _by_superblock(q, scale))
+    return _times(x, q, scale, offset, supers, q.dtype == NIBBLES, _by_superblock(q.dtype, scale.dtype))
 
 
 def grouped_times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray,
                   experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
     """`kernels.grouped_times` for int8 and nibble values."""
-    return _grouped_times(x, q, scale, offset, supers, q.dtype == NIBBLES, _by_superblock(q, scale), experts, firsts)
+    return _grouped_times(x, q, scale, offset, supers, q.dtype == NIBBLES, _by_superblock(q.dtype, scale.dtype), experts, firsts)
 
 
 def prepare(q: types.Array, scales: types.Array, ids: types.Array | None = None) -> None:
