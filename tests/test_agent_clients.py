@@ -80,19 +80,10 @@ def assert_mostly_cached(entry: dict) -> None:
     assert entry["cached_tokens"] >= 0.9 * entry["prompt_tokens"], entry
 
 
-def test_claude_code_reads_a_file_with_its_read_tool_and_answers(tmp_path: Path):
-    """On Qwen3.5 (the model people pair with Claude Code now; Gated DeltaNet layers, whose state
-    cannot be cut back): a Read round trip, and the follow-up turn still >= 90% from cache,
-    resumed at the checkpoint where the first turn's history ended. Its template thinks (the
-    generation prompt opens `<think>`), so every scripted reply closes its thinking first."""
-    (tmp_path / "agents").mkdir()
-    with scripted_server(tmp_path / "agents", HYBRID_MODEL, thought="I will read the note.\n</think>\n\n") as setup:
-        claude_code_round_trip(setup, tmp_path)
-
-
-def claude_code_round_trip(scripted: Scripted, tmp_path: Path) -> None:
-    run = run_claude(scripted.server, "READ-THE-NOTES: what does note1.txt say?", scripted.claude_dir,
-                     tmp_path / "home", "--output-format", "json")
+def claude_code_round_trip(scripted: Scripted, home: Path, **models: str) -> None:
+    """One `claude -p` session: a Read call, then the answer from what it read."""
+    run = run_claude(scripted.server, "READ-THE-NOTES: what does note1.txt say?", scripted.claude_dir, home,
+                     "--output-format", "json", **models)
     assert run.returncode == 0, run.stderr + run.stdout
     assert json.loads(run.stdout)["result"] == CLAUDE_ANSWER
     first, second = recorded(scripted.record, "/v1/messages")[-2:]
@@ -160,12 +151,16 @@ def test_codex_unscripted_on_smollm2(smollm2_long_context: Server, tmp_path: Pat
     assert not [word for word in PROTOCOL_TROUBLE if word in run.stderr], run.stderr
 
 
-def test_claude_code_sessions_on_two_models_of_one_server(tmp_path: Path):
-    """Claude Code set up as users do with two models: its main model (ANTHROPIC_MODEL, also Sonnet's
-    and Opus's name) the startup model, its small fast one (ANTHROPIC_DEFAULT_HAIKU_MODEL) another of
-    --models-dir; then a session whose main model is that other one. Every request is served by the
-    model it named (the access log's `model`), on one server, and both sessions finish their Read
-    round trip. (In `-p` mode this version sends its requests to the main model only.)"""
+def test_claude_code_reads_a_file_in_sessions_on_two_models_of_one_server(tmp_path: Path):
+    """Claude Code on Qwen3.5 (the model people pair with it now; Gated DeltaNet layers, whose state
+    cannot be cut back), set up as users do with two models: its main model (ANTHROPIC_MODEL, also
+    Sonnet's and Opus's name) the startup model, its small fast one (ANTHROPIC_DEFAULT_HAIKU_MODEL)
+    another of --models-dir; then a session whose main model is that other one. Each session is a
+    Read round trip whose follow-up turn is still >= 90% from cache, resumed at the checkpoint where
+    the first turn's history ended. Every request is served by the model it named (the access log's
+    `model`), on one server. (In `-p` mode this version sends its requests to the main model only.)
+    The template thinks (the generation prompt opens `<think>`), so every scripted reply closes its
+    thinking first."""
     (tmp_path / "agents").mkdir()
     models = tmp_path / "models"
     models.mkdir()
@@ -174,13 +169,11 @@ def test_claude_code_sessions_on_two_models_of_one_server(tmp_path: Path):
     hooks = Hooks(script=setup.script_path, record=setup.record)
     with start_server(str(HYBRID_MODEL), "--engine", "cpu", "--ctx", SCRIPTED_CTX, "--models-dir", str(models),
                       hooks=hooks) as server:
+        setup.server = server
         main = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
         for main_model in (main, "small"):
-            run = run_claude(server, "READ-THE-NOTES: what does note1.txt say?", setup.claude_dir,
-                             tmp_path / f"home-{main_model}", "--output-format", "json", main_model=main_model,
-                             small_model="small")
-            assert run.returncode == 0, run.stderr + run.stdout
-            assert json.loads(run.stdout)["result"] == CLAUDE_ANSWER
+            claude_code_round_trip(setup, tmp_path / f"home-{main_model}", main_model=main_model,
+                                   small_model="small")
         sent = [body["model"] for body in recorded(setup.record, "/v1/messages")]
         assert main in sent and "small" in sent and set(sent) == {main, "small"}
         served = [entry["model"] for entry in access_entries(server, "/messages")]

@@ -94,7 +94,7 @@ def launch(model: Path, *args: str, ranks: int = 2, mode: str = "tensor", timeou
 
 
 def chat(base_url: str, messages: list[dict]) -> dict:
-    body = {"messages": messages, "temperature": 0, "max_tokens": 16}
+    body = {"messages": messages, "temperature": 0, "max_tokens": 8}
     r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text  # the server's own error, not a KeyError on its body
     return r.json()
