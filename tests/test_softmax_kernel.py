@@ -1,6 +1,8 @@
 """Attention with the compiled softmax (`softmax_kernel`) against float64 attention computed
 here from its definition, and against the NumPy softmax macOS runs: causal prompt chunks after
-cached positions, one decode row, sliding windows, gpt-oss's sinks, grouped KV heads."""
+cached positions, one decode row, sliding windows, gpt-oss's sinks, grouped KV heads. And the
+scores of a decode step's few query rows, run as keys times queries, have the bits of queries
+times keys."""
 
 from __future__ import annotations
 
@@ -73,3 +75,15 @@ def test_masked_keys_count_for_nothing() -> None:
     after = ops.attention(q, keys, values, start, 0.25, window)
     np.testing.assert_array_equal(after[:-1], before[:-1])
     assert np.abs(after[-1]).max() > 1e3
+
+
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (4, 4, 64), (8, 4, 128), (1, 8, 256)])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_decode_scores_have_the_bits_of_queries_times_keys(kv_heads: int, group: int, head_dim: int,
+                                                            rows: int) -> None:
+    rng = np.random.default_rng(kv_heads * group + rows)
+    for seen in (50, 700, 5000):  # under and past SMALL_PRODUCT
+        qg = rng.standard_normal((kv_heads, group * rows, head_dim)).astype(np.float32)
+        keys = rng.standard_normal((kv_heads, seen + 30, head_dim)).astype(np.float32)[:, :seen]  # a cache's view
+        scores = ops._scores(qg, keys)
+        assert scores.flags.c_contiguous and np.array_equal(scores, qg @ keys.transpose(0, 2, 1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from collections.abc import Callable
 
@@ -32,6 +33,12 @@ BLOCK_BYTES = (3 << 19) * _cpus()
 # thread's share of it) down another path, which rounds differently from the same rows inside the
 # one-row product; with whole groups each row's result has the one-row product's bits.
 GROUP = 16 * _cpus()
+# Attention scores of at most this many query rows a KV head (a decode step's) run as the keys
+# times the queries once their product is past SMALL_PRODUCT values multiplied, where OpenBLAS
+# leaves its small-matrix kernel (`_scores`; figures: docs/PERFORMANCE.md, measurements behind
+# code choices).
+FEW_QUERY_ROWS = 16
+SMALL_PRODUCT = 1 << 16
 
 
 def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
@@ -58,10 +65,16 @@ def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
 
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
     """RMSNorm over the last axis: `x / sqrt(mean(x^2) + eps) * weight` (no weight: Gemma 4's
-    value norm). Written out in place
-    (np.mean's Python wrapper costs more than the arithmetic on one row); the same bits as
+    value norm). Compiled where Numba is (`norm_kernel`, the same bits), else written out in
+    place (np.mean's Python wrapper costs more than the arithmetic on one row); the same bits as
     `np.mean(np.square(x), -1, dtype=float32)`: float32 sum, then the division by the count
     (np.mean divides in float64 and rounds, which for one division is the same)."""
+    compiled = _compiled_norm()
+    if compiled is not None:
+        rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+        out = np.empty(rows.shape, np.float32)
+        compiled(rows, _NO_WEIGHT if weight is None else weight, np.float32(eps), out)
+        return out.reshape(x.shape)
     scale = np.add.reduce(np.square(x), axis=-1, keepdims=True)
     scale /= np.float32(x.shape[-1])
     scale += np.float32(eps)
@@ -70,6 +83,24 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     if weight is not None:
         out *= weight
     return out
+
+
+_NO_WEIGHT = np.empty(0, np.float32)
+
+
+def _compiled_norm() -> Callable[..., None] | None:
+    """`norm_kernel.rms_norm`, or None where Numba is not installed (macOS)."""
+    return _compiled("norm_kernel", "rms_norm")
+
+
+@functools.cache
+def _compiled(module: str, name: str) -> Callable[..., None] | None:
+    """Function `name` of the compiled module `lmserve.engine_cpu.<module>`, or None where Numba
+    is not installed (macOS)."""
+    try:
+        return getattr(importlib.import_module(f"lmserve.engine_cpu.{module}"), name)
+    except ImportError:
+        return None
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -184,7 +215,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     group = n_heads // kv_heads
     # [kv_heads, group * n, head_dim]: each KV head's query rows in one matrix product.
     qg = q.reshape(n, kv_heads, group, head_dim).transpose(1, 2, 0, 3).reshape(kv_heads, group * n, head_dim)
-    scores = qg @ keys.transpose(0, 2, 1)
+    scores = _scores(qg, keys)
     compiled = _compiled_softmax()
     if compiled is not None:
         compiled(scores, n, start, first, np.float32(scale), window,
@@ -198,14 +229,20 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
 _NO_SINKS = np.empty(0, np.float32)
 
 
-@functools.cache
+def _scores(qg: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """`qg [kv_heads, rows, head_dim]` times the keys transposed: `[kv_heads, rows, seen]`. For a
+    decode step's few query rows past OpenBLAS's small-matrix path, as the keys times the queries
+    (the positions as BLAS's long side), which runs 2-3x faster there with the same bits (figures:
+    docs/PERFORMANCE.md, measurements behind code choices)."""
+    rows, (_, seen, head_dim) = qg.shape[1], keys.shape
+    if rows <= FEW_QUERY_ROWS and rows * seen * head_dim > SMALL_PRODUCT:
+        return np.ascontiguousarray(np.matmul(keys, qg.transpose(0, 2, 1)).transpose(0, 2, 1))
+    return qg @ keys.transpose(0, 2, 1)
+
+
 def _compiled_softmax() -> Callable[..., None] | None:
     """`softmax_kernel.causal_softmax`, or None where Numba is not installed (macOS)."""
-    try:
-        from lmserve.engine_cpu import softmax_kernel
-    except ImportError:
-        return None
-    return softmax_kernel.causal_softmax
+    return _compiled("softmax_kernel", "causal_softmax")
 
 
 def _numpy_softmax(scores: np.ndarray, n: int, start: int, first: int, scale: float, window: int,

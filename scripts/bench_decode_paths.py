@@ -1,0 +1,74 @@
+"""The NumPy engine's decode step with this checkout's compiled RMSNorm and decode-shaped attention
+scores, against their NumPy forms, in one process (rounds alternate the sides, best of each kept).
+
+Sides: `numpy` (the norm as macOS runs it, scores as queries times keys), `norm` (the compiled
+norm), `both` (and the scores of a decode step's few query rows as keys times queries). Each at
+--contexts cached positions, for one and for four streams; the same bits on every side.
+
+    python scripts/bench_decode_paths.py [--model PATH] [--rounds N] [--contexts 100 2000 8000]
+"""
+
+from __future__ import annotations
+
+import lmserve  # noqa: F401  (first: it tunes OpenBLAS before NumPy loads, as the server does)
+
+# isort: split
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rounds import best_of, timed  # noqa: E402  (scripts/, this script's own directory)
+
+from lmserve.engine_cpu import CPUEngine, ops  # noqa: E402
+from lmserve.model.config import ModelConfig  # noqa: E402
+from lmserve.model.default_model import default_model_path  # noqa: E402
+from lmserve.model.gguf_file import GGUFFile  # noqa: E402
+
+COMPILED_NORM, FEW_QUERY_ROWS = ops._compiled_norm, ops.FEW_QUERY_ROWS
+
+
+def side(norm: bool, scores: bool) -> Callable[[], None]:
+    def choose() -> None:
+        ops._compiled_norm = COMPILED_NORM if norm else (lambda: None)
+        ops.FEW_QUERY_ROWS = FEW_QUERY_ROWS if scores else 0
+    return choose
+
+
+SIDES = {"numpy": side(False, False), "norm": side(True, False), "both": side(True, True)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None, help="GGUF (default: the embedded SmolLM2)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--contexts", type=int, nargs="+", default=[100, 2000, 8000])
+    args = p.parse_args()
+    model = args.model or default_model_path()
+    gguf = GGUFFile(model)
+    config = ModelConfig.from_gguf(gguf)
+    engine = CPUEngine(gguf, config)
+    rng = np.random.default_rng(0)
+    for context in args.contexts:
+        for streams in (1, 4):
+            caches = [engine.new_cache(context + 8) for _ in range(streams)]
+            for cache in caches:
+                engine.prefill(cache, rng.integers(100, config.vocab_size, context).tolist())
+
+            def step(caches: list = caches, context: int = context) -> None:
+                engine.decode(caches, [5] * len(caches))
+                for cache in caches:
+                    engine.truncate(cache, context)
+
+            best = best_of(args.rounds, timed(step, 20), SIDES)
+            base = best["numpy"]
+            print(f"{model.name}, {context} cached, {streams} streams: "
+                  + ", ".join(f"{name} {seconds * 1e3:.2f} ms ({base / seconds:.2f}x)" for name, seconds in best.items()))
+
+
+if __name__ == "__main__":
+    main()
