@@ -6,6 +6,7 @@ import functools
 import importlib
 import os
 from collections.abc import Callable
+from types import ModuleType
 
 import numpy as np
 
@@ -90,15 +91,15 @@ _NO_WEIGHT = np.empty(0, np.float32)
 
 def _compiled_norm() -> Callable[..., None] | None:
     """`norm_kernel.rms_norm`, or None where Numba is not installed (macOS)."""
-    return _compiled("norm_kernel", "rms_norm")
+    module = _compiled("norm_kernel")
+    return None if module is None else module.rms_norm
 
 
 @functools.cache
-def _compiled(module: str, name: str) -> Callable[..., None] | None:
-    """Function `name` of the compiled module `lmserve.engine_cpu.<module>`, or None where Numba
-    is not installed (macOS)."""
+def _compiled(name: str) -> ModuleType | None:
+    """The compiled module `lmserve.engine_cpu.<name>`, or None where Numba is not installed (macOS)."""
     try:
-        return getattr(importlib.import_module(f"lmserve.engine_cpu.{module}"), name)
+        return importlib.import_module(f"lmserve.engine_cpu.{name}")
     except ImportError:
         return None
 
@@ -242,7 +243,8 @@ def _scores(qg: np.ndarray, keys: np.ndarray) -> np.ndarray:
 
 def _compiled_softmax() -> Callable[..., None] | None:
     """`softmax_kernel.causal_softmax`, or None where Numba is not installed (macOS)."""
-    return _compiled("softmax_kernel", "causal_softmax")
+    module = _compiled("softmax_kernel")
+    return None if module is None else module.causal_softmax
 
 
 def _numpy_softmax(scores: np.ndarray, n: int, start: int, first: int, scale: float, window: int,
