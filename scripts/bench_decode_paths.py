@@ -5,7 +5,7 @@ Sides: `numpy` (the norm as macOS runs it, scores as queries times keys), `norm`
 norm), `both` (and the scores of a decode step's few query rows as keys times queries). Each at
 --contexts cached positions, for one and for four streams; the same bits on every side.
 
-    python scripts/bench_decode_paths.py [--model PATH] [--rounds N] [--contexts 100 2000 8000]
+    python scripts/bench_decode_paths.py [--model PATH] [--rounds N] [--contexts 100 2000 8000] [--kv-type q8_0]
 """
 
 from __future__ import annotations
@@ -47,11 +47,12 @@ def main() -> None:
     p.add_argument("--model", type=Path, default=None, help="GGUF (default: the embedded SmolLM2)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--contexts", type=int, nargs="+", default=[100, 2000, 8000])
+    p.add_argument("--kv-type", default="auto", help="what the cache holds (as the server's --kv-type)")
     args = p.parse_args()
     model = args.model or default_model_path()
     gguf = GGUFFile(model)
     config = ModelConfig.from_gguf(gguf)
-    engine = CPUEngine(gguf, config)
+    engine = CPUEngine(gguf, config, kv_type=args.kv_type)
     rng = np.random.default_rng(0)
     for context in args.contexts:
         for streams in (1, 4):
@@ -66,7 +67,7 @@ def main() -> None:
 
             best = best_of(args.rounds, timed(step, 20), SIDES)
             base = best["numpy"]
-            print(f"{model.name}, {context} cached, {streams} streams: "
+            print(f"{model.name}, {engine.kv_type} KV, {context} cached, {streams} streams: "
                   + ", ".join(f"{name} {seconds * 1e3:.2f} ms ({base / seconds:.2f}x)" for name, seconds in best.items()))
 
 
