@@ -87,3 +87,31 @@ def test_decode_scores_have_the_bits_of_queries_times_keys(kv_heads: int, group:
         keys = rng.standard_normal((kv_heads, seen + 30, head_dim)).astype(np.float32)[:, :seen]  # a cache's view
         scores = ops._scores(qg, keys)
         assert scores.flags.c_contiguous and np.array_equal(scores, qg @ keys.transpose(0, 2, 1))
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("parts", [2, 3])
+def test_a_softmax_split_between_threads_has_the_bits_of_one(case: str, parts: int,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt pass's softmax runs a range of rows on each CPU; each row comes out as on one."""
+    n, start, window, with_sinks = CASES[case]
+    rng = np.random.default_rng(len(case) + parts)
+    q = rng.standard_normal((n, 8, 32)).astype(np.float32) * 2
+    keys, values = (rng.standard_normal((2, start + n, 32)).astype(np.float32) for _ in range(2))
+    sinks = rng.standard_normal(8).astype(np.float32) * 3 if with_sinks else None
+    whole = ops.attention(q, keys, values, start, 0.2, window, sinks)
+    monkeypatch.setattr(ops, "THREADED_SCORES", 1)
+    monkeypatch.setattr(ops, "_cpus", lambda: parts)
+    np.testing.assert_array_equal(ops.attention(q, keys, values, start, 0.2, window, sinks), whole)
+
+
+def test_scores_written_into_one_pass_buffer_have_the_bits_of_new_arrays() -> None:
+    """A pass's layers write their scores into one buffer in turn, as it grows and shrinks (a
+    decode step's caches of different lengths, a prompt chunk after them)."""
+    rng = np.random.default_rng(5)
+    scratch = ops.Scratch()
+    for n, start in [(16, 100), (256, 900), (1, 3000), (40, 20), (256, 1200)]:
+        q = rng.standard_normal((n, 9, 64)).astype(np.float32)
+        keys, values = (rng.standard_normal((3, start + n, 64)).astype(np.float32) for _ in range(2))
+        np.testing.assert_array_equal(ops.attention(q, keys, values, start, 0.125, scratch=scratch),
+                                      ops.attention(q, keys, values, start, 0.125))

@@ -51,7 +51,7 @@ def attend(x: np.ndarray, a: AttentionWeights, batch: Batch, layer: int,
         # A quantized cache holds them in a turned basis: the query turns the same way, the output back.
         first = max(0, s.start - a.window + 1) if a.window else 0
         mixed = ops.attention(codec.turn(q[s.lo:s.hi]), codec.decode(keys[:, first:end]),
-                              codec.decode(values[:, first:end]), s.start - first, scale, a.window, a.sinks)
+                              codec.decode(values[:, first:end]), s.start - first, scale, a.window, a.sinks, batch.scratch)
         out[s.lo:s.hi] = codec.unturn(mixed.reshape(-1, nq, hd)).reshape(-1, nq * hd)
     if gate is not None:
         out *= ops.sigmoid(gate)

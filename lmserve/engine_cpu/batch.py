@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmserve.engine_cpu.cache import CPUCache
+from lmserve.engine_cpu.ops import Scratch
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Batch:
         self.spans = [Span(c, c.length, i * width, (i + 1) * width, n)
                       for i, (c, n) in enumerate(zip(caches, real, strict=True))]
         self.positions = np.concatenate([np.arange(s.start, s.start + width) for s in self.spans])
+        self.scratch = Scratch()  # the layers' attention scores, one after another
 
     def finish(self, ids: np.ndarray) -> None:
         """Advance every cache past its kept rows, remembering their token ids."""

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 
 import numpy as np
@@ -40,6 +42,10 @@ GROUP = 16 * _cpus()
 # code choices).
 FEW_QUERY_ROWS = 16
 SMALL_PRODUCT = 1 << 16
+# A softmax over at least this many scores (a prompt pass's, about a millisecond of work a part) is
+# split between the CPUs, a range of rows on each (`_softmax`; figures: docs/PERFORMANCE.md,
+# measurements behind code choices).
+THREADED_SCORES = 1 << 20
 
 
 def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
@@ -199,14 +205,15 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, scale: float,
-              window: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
+              window: int = 0, sinks: np.ndarray | None = None, scratch: Scratch | None = None) -> np.ndarray:
     """Causal attention of `n` new queries at positions `start..start+n-1`.
 
     q: `[n, heads, head_dim]`; keys, values: `[kv_heads, start + n, head_dim]`, with the new
     positions already written. Query head h reads KV head h // (heads // kv_heads). Scores are
     scaled by `scale`. `window`: a query at position p sees keys in (p - window, p] only (sliding
     window; 0: all). `sinks` `[heads]`: one logit per head that joins the softmax's denominator
-    and nothing else (gpt-oss). Returns `[n, heads * head_dim]`.
+    and nothing else (gpt-oss). `scratch`: the pass's buffer for the scores. Returns
+    `[n, heads * head_dim]`.
     """
     n, n_heads, head_dim = q.shape
     kv_heads, total, _ = keys.shape
@@ -216,13 +223,8 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     group = n_heads // kv_heads
     # [kv_heads, group * n, head_dim]: each KV head's query rows in one matrix product.
     qg = q.reshape(n, kv_heads, group, head_dim).transpose(1, 2, 0, 3).reshape(kv_heads, group * n, head_dim)
-    scores = _scores(qg, keys)
-    compiled = _compiled_softmax()
-    if compiled is not None:
-        compiled(scores, n, start, first, np.float32(scale), window,
-                 _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32))
-    else:
-        _numpy_softmax(scores, n, start, first, scale, window, sinks)
+    scores = _scores(qg, keys, scratch)
+    _softmax(scores, n, start, first, scale, window, sinks)
     out = scores @ values  # [kv_heads, group * n, head_dim]
     return out.reshape(kv_heads, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, n_heads * head_dim)
 
@@ -230,15 +232,60 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
 _NO_SINKS = np.empty(0, np.float32)
 
 
-def _scores(qg: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """`qg [kv_heads, rows, head_dim]` times the keys transposed: `[kv_heads, rows, seen]`. For a
-    decode step's few query rows past OpenBLAS's small-matrix path, as the keys times the queries
-    (the positions as BLAS's long side), which runs 2-3x faster there with the same bits (figures:
-    docs/PERFORMANCE.md, measurements behind code choices)."""
-    rows, (_, seen, head_dim) = qg.shape[1], keys.shape
+class Scratch:
+    """A float32 buffer that one forward pass's layers write their attention scores into in turn.
+    A new array past glibc's mmap threshold (32 MiB at most: a long prompt's scores) is fresh
+    pages that the kernel zeroes at first touch, and the product writing them ran at half speed
+    (figures: docs/PERFORMANCE.md, measurements behind code choices). It lives as long as the
+    pass, so memory between passes is what it was."""
+
+    def __init__(self) -> None:
+        self._flat = np.empty(0, np.float32)
+
+    def take(self, shape: tuple[int, ...]) -> np.ndarray:
+        """A `shape` array over the buffer (grown to fit), valid until the next `take`."""
+        size = math.prod(shape)
+        if size > self._flat.size:
+            self._flat = np.empty(size, np.float32)
+        return self._flat[:size].reshape(shape)
+
+
+def _scores(qg: np.ndarray, keys: np.ndarray, scratch: Scratch | None = None) -> np.ndarray:
+    """`qg [kv_heads, rows, head_dim]` times the keys transposed: `[kv_heads, rows, seen]`, in
+    `scratch` where given. For a decode step's few query rows past OpenBLAS's small-matrix path,
+    as the keys times the queries (the positions as BLAS's long side), which runs 2-3x faster
+    there with the same bits (figures: docs/PERFORMANCE.md, measurements behind code choices)."""
+    (kv_heads, rows, _), (_, seen, head_dim) = qg.shape, keys.shape
     if rows <= FEW_QUERY_ROWS and rows * seen * head_dim > SMALL_PRODUCT:
         return np.ascontiguousarray(np.matmul(keys, qg.transpose(0, 2, 1)).transpose(0, 2, 1))
-    return qg @ keys.transpose(0, 2, 1)
+    out = None if scratch is None else scratch.take((kv_heads, rows, seen))
+    return np.matmul(qg, keys.transpose(0, 2, 1), out=out)
+
+
+def _softmax(scores: np.ndarray, n: int, start: int, first: int, scale: float, window: int,
+             sinks: np.ndarray | None) -> None:
+    """`softmax_kernel.causal_softmax` over all rows of `scores`: compiled, a part of the rows on
+    each CPU once they are `THREADED_SCORES` or more (on plain threads, which block rather than
+    spin while they wait: with another process on a core the split costs nothing), else NumPy's."""
+    compiled = _compiled_softmax()
+    if compiled is None:
+        _numpy_softmax(scores, n, start, first, scale, window, sinks)
+        return
+    run = functools.partial(compiled, scores, n, start, first, np.float32(scale), window,
+                            _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32))
+    rows = scores.shape[0] * scores.shape[1]
+    parts = min(_cpus(), rows, scores.size // THREADED_SCORES) or 1
+    bounds = [rows * i // parts for i in range(parts + 1)]
+    helped = [_softmax_helpers().submit(run, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:], strict=True)]
+    run(0, bounds[1])
+    for part in helped:
+        part.result()
+
+
+@functools.cache
+def _softmax_helpers() -> ThreadPoolExecutor:
+    """The threads that run the other parts of a split softmax."""
+    return ThreadPoolExecutor(max(1, _cpus() - 1), thread_name_prefix="lmserve-softmax")
 
 
 def _compiled_softmax() -> Callable[..., None] | None:

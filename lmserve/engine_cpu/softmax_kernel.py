@@ -1,4 +1,4 @@
-"""Attention's masked softmax as one compiled pass per row, on the calling thread.
+"""Attention's masked softmax as one compiled pass per row, over a range of rows per call.
 
 NumPy's softmax over a pass's scores (`[kv_heads, group * n, seen]`) makes six passes (scale,
 causal mask, max, subtract, exp, sum and divide), each over the whole array and on one thread
@@ -7,8 +7,9 @@ query sees, so masked scores are never exponentiated. Numba's loops vectorize wi
 max and sum, but leave a call to `expf` scalar: `_exp` is Cephes' single-precision exponential
 (within 2 ulp), written so that they vectorize too. Rows are divided by their sum, as NumPy does,
 not multiplied by its reciprocal: a quantized KV cache's rounding tips with a float's last bits,
-and the fidelity tests' counts moved with it. It runs on the calling thread: on the kernels'
+and the fidelity tests' counts moved with it. It is not a parallel (OpenMP) loop: on the kernels'
 OpenMP threads, the BLAS product after it waited for them to stop spinning (figures: ibid.).
+`ops` runs a prompt pass's rows in parts on plain threads, which block instead.
 """
 
 from __future__ import annotations
@@ -49,15 +50,16 @@ def _exp(x):  # noqa: ANN001, ANN202
 
 
 @njit(fastmath=_FAST, cache=True, nogil=True)
-def causal_softmax(scores, n, start, first, scale, window, sinks):  # noqa: ANN001, ANN201
-    """In place: each row of `scores` `[kv_heads, group * n, seen]` (query head `h * group + g`'s
+def causal_softmax(scores, n, start, first, scale, window, sinks, lo, hi):  # noqa: ANN001, ANN201
+    """In place: rows `lo:hi` (counted over both leading axes) of `scores` `[kv_heads, group * n,
+    seen]` (query head `h * group + g`'s
     row `g * n + i`, query i at position `start + i`; column c the key at position `first + c`)
     times `scale`, then softmax over the keys its query sees (at or before it, and within `window`
     positions when nonzero); the keys it does not see get 0. `sinks` `[heads]` (empty: none): a
     logit per query head that joins each of its rows' denominator and nothing else."""
     kv_heads, rows, seen = scores.shape
     group = rows // n
-    for t in range(kv_heads * rows):
+    for t in range(lo, hi):
         h, r = t // rows, t % rows
         position = start + r % n
         stop = position - first + 1
