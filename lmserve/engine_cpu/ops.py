@@ -274,7 +274,10 @@ def _softmax(scores: np.ndarray, n: int, start: int, first: int, scale: float, w
     run = functools.partial(compiled, scores, n, start, first, np.float32(scale), window,
                             _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32))
     rows = scores.shape[0] * scores.shape[1]
-    parts = min(_cpus(), rows, scores.size // THREADED_SCORES) or 1
+    parts = min(_cpus(), rows, scores.size // THREADED_SCORES)
+    if parts <= 1:  # a decode step's: no hand-off
+        run(0, rows)
+        return
     bounds = [rows * i // parts for i in range(parts + 1)]
     helped = [_softmax_helpers().submit(run, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:], strict=True)]
     run(0, bounds[1])

@@ -52,11 +52,11 @@ def _exp(x):  # noqa: ANN001, ANN202
 @njit(fastmath=_FAST, cache=True, nogil=True)
 def causal_softmax(scores, n, start, first, scale, window, sinks, lo, hi):  # noqa: ANN001, ANN201
     """In place: rows `lo:hi` (counted over both leading axes) of `scores` `[kv_heads, group * n,
-    seen]` (query head `h * group + g`'s
-    row `g * n + i`, query i at position `start + i`; column c the key at position `first + c`)
-    times `scale`, then softmax over the keys its query sees (at or before it, and within `window`
-    positions when nonzero); the keys it does not see get 0. `sinks` `[heads]` (empty: none): a
-    logit per query head that joins each of its rows' denominator and nothing else."""
+    seen]` (query head `h * group + g`'s row `g * n + i`, query i at position `start + i`; column c
+    the key at position `first + c`) times `scale`, then softmax over the keys its query sees (at
+    or before it, and within `window` positions when nonzero); the keys it does not see get 0.
+    `sinks` `[heads]` (empty: none): a logit per query head that joins each of its rows'
+    denominator and nothing else."""
     kv_heads, rows, seen = scores.shape
     group = rows // n
     for t in range(lo, hi):
