@@ -49,9 +49,14 @@ def attend(x: np.ndarray, a: AttentionWeights, batch: Batch, layer: int,
         values[:, s.start:end] = codec.encode(v[s.lo:s.hi].transpose(1, 0, 2))
         # Only the positions some row of the pass can see are read back (a sliding window's).
         # A quantized cache holds them in a turned basis: the query turns the same way, the output back.
+        # A decode step reads the blocks themselves (the compiled kernels), a prompt pass float32.
         first = max(0, s.start - a.window + 1) if a.window else 0
-        mixed = ops.attention(codec.turn(q[s.lo:s.hi]), codec.decode(keys[:, first:end]),
-                              codec.decode(values[:, first:end]), s.start - first, scale, a.window, a.sinks, batch.scratch)
+        keys, values = keys[:, first:end], values[:, first:end]
+        blocks = codec.type.name if codec.turned and ops.reads_blocks(batch.width * nq // nkv) else None
+        if blocks is None:
+            keys, values = codec.decode(keys), codec.decode(values)
+        mixed = ops.attention(codec.turn(q[s.lo:s.hi]), keys, values, s.start - first, scale, a.window, a.sinks,
+                              batch.scratch, blocks)
         out[s.lo:s.hi] = codec.unturn(mixed.reshape(-1, nq, hd)).reshape(-1, nq * hd)
     if gate is not None:
         out *= ops.sigmoid(gate)

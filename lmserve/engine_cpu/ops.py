@@ -39,7 +39,8 @@ GROUP = 16 * _cpus()
 # Attention scores of at most this many query rows a KV head (a decode step's) run as the keys
 # times the queries once their product is past SMALL_PRODUCT values multiplied, where OpenBLAS
 # leaves its small-matrix kernel (`_scores`; figures: docs/PERFORMANCE.md, measurements behind
-# code choices).
+# code choices). Up to as many, a quantized cache's blocks are read by `block_attention_kernel`:
+# at 64 rows unpacking them into float32 for BLAS costs less (ibid.).
 FEW_QUERY_ROWS = 16
 SMALL_PRODUCT = 1 << 16
 # A softmax over at least this many scores (a prompt pass's, about a millisecond of work a part) is
@@ -205,15 +206,17 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, scale: float,
-              window: int = 0, sinks: np.ndarray | None = None, scratch: Scratch | None = None) -> np.ndarray:
+              window: int = 0, sinks: np.ndarray | None = None, scratch: Scratch | None = None,
+              blocks: str | None = None) -> np.ndarray:
     """Causal attention of `n` new queries at positions `start..start+n-1`.
 
     q: `[n, heads, head_dim]`; keys, values: `[kv_heads, start + n, head_dim]`, with the new
     positions already written. Query head h reads KV head h // (heads // kv_heads). Scores are
     scaled by `scale`. `window`: a query at position p sees keys in (p - window, p] only (sliding
     window; 0: all). `sinks` `[heads]`: one logit per head that joins the softmax's denominator
-    and nothing else (gpt-oss). `scratch`: the pass's buffer for the scores. Returns
-    `[n, heads * head_dim]`.
+    and nothing else (gpt-oss). `scratch`: the pass's buffer for the scores. `blocks`: "q8_0"
+    or "q4_0" where keys and values are a quantized cache's rows of blocks, which the compiled
+    kernels read (only where `reads_blocks` says so). Returns `[n, heads * head_dim]`.
     """
     n, n_heads, head_dim = q.shape
     kv_heads, total, _ = keys.shape
@@ -223,10 +226,28 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     group = n_heads // kv_heads
     # [kv_heads, group * n, head_dim]: each KV head's query rows in one matrix product.
     qg = q.reshape(n, kv_heads, group, head_dim).transpose(1, 2, 0, 3).reshape(kv_heads, group * n, head_dim)
-    scores = _scores(qg, keys, scratch)
-    _softmax(scores, n, start, first, scale, window, sinks)
-    out = scores @ values  # [kv_heads, group * n, head_dim]
+    if blocks is None:
+        scores = _scores(qg, keys, scratch)
+        _softmax(scores, n, start, first, scale, window, sinks)
+        out = scores @ values  # [kv_heads, group * n, head_dim]
+    else:
+        kernels, q4 = _compiled("block_attention_kernel"), blocks == "q4_0"
+        qg = np.ascontiguousarray(qg)
+        shape = (kv_heads, group * n, keys.shape[1])
+        scores = np.empty(shape, np.float32) if scratch is None else scratch.take(shape)
+        kernels.block_scores(qg, keys, scores, q4)
+        _softmax(scores, n, start, first, scale, window, sinks)
+        out = np.empty_like(qg)
+        kernels.block_mix(scores, values, out, q4)
     return out.reshape(kv_heads, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, n_heads * head_dim)
+
+
+def reads_blocks(query_rows: int) -> bool:
+    """Whether `attention` reads a quantized cache's blocks itself for a pass of `query_rows`
+    rows a KV head: where Numba is installed, and for a decode step's or verify pass's few rows,
+    whose one use of each position's keys and values costs less than unpacking them into float32
+    for BLAS (`block_attention_kernel`; a prompt pass's hundreds of rows run faster in BLAS)."""
+    return query_rows <= FEW_QUERY_ROWS and _compiled("block_attention_kernel") is not None
 
 
 _NO_SINKS = np.empty(0, np.float32)

@@ -1,0 +1,150 @@
+"""A decode step's attention read straight from a quantized KV cache's q8_0 / q4_0 blocks.
+
+Reading the blocks back into float32 first (`KVCodec.decode`) writes four bytes for every one
+the q8_0 cache holds, and a step then reads them again for the BLAS products: at 16,000 cached
+positions that made the synthetic MoE's q8_0 step several times a float32 cache's, and its decode
+fell below llama-server's (figures: docs/PERFORMANCE.md, NumPy engine: decode over a quantized
+cache's blocks). These kernels unpack each position's blocks into a small buffer that stays in L1
+and use it at once: the scores against every query row of its KV head, or its values into each
+row's output.
+
+Work is split into chunks of positions per KV head, on Numba's OpenMP threads (the count the
+thread tuner picked for the pass). A row's scores do not depend on which chunk holds them; the
+values' sums are taken per chunk and added up in chunk order, so a row's output does not depend on
+the thread count either. The sums run in another order than BLAS's: a quantized cache is not
+bit-stable across pass shapes anyway (its rounding tips with a float's last bits).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from lmserve.engine_cpu.kernel_ir import F32, I16, I32, I64, LANES, VF, VQ, Builder
+
+BLOCK = 32  # values a block holds
+CHUNK = 256  # positions a task reads: 8.5 KiB of q8_0 keys of 64 values, many tasks per thread
+_FAST = {"reassoc", "contract", "nsz"}
+
+
+def _block_reader(q4: bool):  # noqa: ANN202  (a Numba intrinsic)
+    """An intrinsic `read(stored, at, out, first)`: the block of bytes at `stored[at:]` (q8_0's,
+    or q4_0's where `q4`) as 32 float32 values into `out[first:]`, as `KVCodec.decode` gives them:
+    q8_0 `d * q`, q4_0 `(q - 8) * d` (byte j: value j low, value j + 16 high). Written as LLVM
+    vector IR: Numba's loop vectorizer leaves these loops scalar."""
+    @intrinsic
+    def read(typingctx, stored, at, out, first):  # noqa: ANN001, ANN202, ARG001
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202, ARG001
+            b = builder
+            source = b.gep(context.make_array(signature.args[0])(context, b, args[0]).data, [args[1]])
+            target = b.gep(context.make_array(signature.args[2])(context, b, args[2]).data, [args[3]])
+
+            def load(offset: int, vector: ir.Type) -> ir.Value:
+                return b.load(b.bitcast(b.gep(source, [ir.Constant(I64, offset)]), vector.as_pointer()), align=1)
+
+            scale = b.fpext(b.bitcast(load(0, I16), ir.HalfType()), F32)
+            d = b.shuffle_vector(b.insert_element(ir.Constant(VF, None), scale, ir.Constant(I32, 0)),
+                                 ir.Constant(VF, None), ir.Constant(ir.VectorType(I32, LANES), [0] * LANES))
+            if q4:
+                packed = load(2, VQ)
+                eight = ir.Constant(VF, [8.0] * LANES)
+                halves = [b.fsub(b.uitofp(part, VF), eight) for part in
+                          (b.and_(packed, ir.Constant(VQ, [15] * LANES)), b.lshr(packed, ir.Constant(VQ, [4] * LANES)))]
+            else:
+                halves = [b.sitofp(load(2 + p, VQ), VF) for p in (0, LANES)]
+            for p, half in enumerate(halves):
+                b.store(b.fmul(half, d), b.bitcast(b.gep(target, [ir.Constant(I64, p * LANES)]), VF.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return types.void(stored, at, out, first), codegen
+    return read
+
+
+_read_q8, _read_q4 = _block_reader(q4=False), _block_reader(q4=True)
+
+
+def _vector_loop(update):  # noqa: ANN001, ANN202
+    """The codegen of an intrinsic over float32 vectors `a`, `b` (1-D, of whole blocks) and, where
+    given, a float32 `w`: `update(k, acc, at, w)` for the LANES values from `at` on (`w` splat),
+    `acc` a vector accumulator whose sum the intrinsic returns."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202, ARG001
+        k = Builder(context, builder, signature, args)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(VF, [0.0] * LANES))
+        w = k.splat(args[2]) if len(args) > 2 else None
+        length = cgutils.unpack_tuple(builder, k.arrays[0].shape, 1)[0]
+        with cgutils.for_range(builder, builder.udiv(length, ir.Constant(I64, LANES))) as loop:
+            update(k, acc, builder.mul(loop.index, ir.Constant(I64, LANES)), w)
+        return k.horizontal_sum(builder.load(acc))
+    return codegen
+
+
+@intrinsic
+def _dot(typingctx, a, b):  # noqa: ANN001, ANN202, ARG001
+    """a . b, in LANES-wide fused multiply-adds (Numba leaves the loop scalar)."""
+    def update(k, acc, at, _w):  # noqa: ANN001, ANN202
+        products = k.b.call(k.fma_v, [k.load_vector(k.data(0), at, VF), k.load_vector(k.data(1), at, VF),
+                                      k.b.load(acc)])
+        k.b.store(products, acc)
+    return types.float32(a, b), _vector_loop(update)
+
+
+@intrinsic
+def _add_times(typingctx, a, b, w):  # noqa: ANN001, ANN202, ARG001
+    """a += w * b, in LANES-wide fused multiply-adds (Numba leaves the loop scalar)."""
+    def update(k, _acc, at, w):  # noqa: ANN001, ANN202
+        k.store_vector(k.b.call(k.fma_v, [w, k.load_vector(k.data(1), at, VF), k.load_vector(k.data(0), at, VF)]),
+                       k.data(0), at)
+    return types.float32(a, b, w), _vector_loop(update)
+
+
+@njit(inline="always")
+def _unpack(stored, out, q4):  # noqa: ANN001, ANN202
+    """One position's blocks (`stored`: bytes) as float32 values into `out`."""
+    for b in range(len(out) // BLOCK):
+        if q4:
+            _read_q4(stored, b * 18, out, b * BLOCK)
+        else:
+            _read_q8(stored, b * 34, out, b * BLOCK)
+
+
+@njit(parallel=True, fastmath=_FAST, cache=True, nogil=True)
+def block_scores(queries, keys, scores, q4):  # noqa: ANN001, ANN201
+    """`scores[h, r, c]` = queries `[kv_heads, rows, head_dim]` row r . the key at position c of
+    `keys` `[kv_heads, seen, bytes]` (q8_0 blocks, or q4_0 where `q4`)."""
+    kv_heads, rows, head_dim = queries.shape
+    seen = keys.shape[1]
+    chunks = (seen + CHUNK - 1) // CHUNK
+    for task in prange(kv_heads * chunks):
+        h, lo = task // chunks, task % chunks * CHUNK
+        key = np.empty(head_dim, np.float32)
+        for c in range(lo, min(seen, lo + CHUNK)):
+            _unpack(keys[h, c], key, q4)
+            for r in range(rows):
+                scores[h, r, c] = _dot(queries[h, r], key)
+
+
+@njit(parallel=True, fastmath=_FAST, cache=True, nogil=True)
+def block_mix(weights, values, out, q4):  # noqa: ANN001, ANN201
+    """`out[h, r]` = sum over positions c of `weights[h, r, c]` x the value at c of `values`
+    `[kv_heads, seen, bytes]` (q8_0 blocks, or q4_0 where `q4`); `out` `[kv_heads, rows,
+    head_dim]`. Each chunk's sum is kept apart and the chunks are added in order."""
+    kv_heads, rows, seen = weights.shape
+    head_dim = out.shape[2]
+    chunks = (seen + CHUNK - 1) // CHUNK
+    parts = np.zeros((kv_heads, chunks, rows, head_dim), np.float32)
+    for task in prange(kv_heads * chunks):
+        h, part = task // chunks, task % chunks
+        value = np.empty(head_dim, np.float32)
+        acc = parts[h, part]
+        for c in range(part * CHUNK, min(seen, part * CHUNK + CHUNK)):
+            _unpack(values[h, c], value, q4)
+            for r in range(rows):
+                _add_times(acc[r], value, weights[h, r, c])
+    for h in prange(kv_heads):
+        for r in range(rows):
+            row = out[h, r]
+            row[:] = parts[h, 0, r]
+            for part in range(1, chunks):
+                row += parts[h, part, r]
