@@ -9,9 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from lmserve.engine.kv_types import KV_TYPES, check_head_sizes
 from lmserve.engine_cpu import CPUEngine
+from lmserve.engine_cpu.kv_codec import KVCodec, q8_0_blocks
 from lmserve.model.config import ModelConfig
 from lmserve.model.default_model import default_model_path
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
@@ -80,3 +83,21 @@ def test_a_block_type_needs_whole_blocks_per_head() -> None:
     check_head_sizes(KV_TYPES["q8_0"], [64, 128, 256])
     with pytest.raises(ModelLoadError, match="--kv-type q4_0 .* 80: choose f16 or f32"):
         check_head_sizes(KV_TYPES["q4_0"], [64, 80])
+
+
+def test_q8_0_blocks_are_the_bytes_of_gguf_s_quantizer() -> None:
+    """The compiled q8_0 writer (`q8_0_kernel`, beside every decode step) gives the bytes of
+    `gguf`'s quantizer, ggml's reference: blocks of every scale, a block of zeros, and values whose
+    scaled magnitude is exactly half way (rounded away from zero)."""
+    rng = np.random.default_rng(5)
+    blocks = rng.standard_normal((600, 32)).astype(np.float32) * np.logspace(-6, 4, 600, dtype=np.float32)[:, None]
+    blocks[7] = 0
+    blocks[8] = np.arange(-15.5, 16.5, dtype=np.float32)
+    blocks[8, 0] = -127  # d = 1: every other value is x.5
+    codec = KVCodec(KV_TYPES["q8_0"])
+    heads = blocks.reshape(3, 100, 64)
+    assert np.array_equal(codec.encode(heads), quantize(codec.turn(heads), GGMLQuantizationType.Q8_0))
+    if q8_0_blocks is not None:
+        out = np.empty((600, 34), np.uint8)
+        q8_0_blocks(blocks, out)
+        assert np.array_equal(out, quantize(blocks, GGMLQuantizationType.Q8_0))

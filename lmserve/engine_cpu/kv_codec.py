@@ -1,5 +1,5 @@
 """The NumPy engine's cached keys and values in a `--kv-type`: float32, float16, or blocks in
-llama.cpp's q8_0 / q4_0 layout (`gguf`'s quantizer writes q8_0's, byte for byte).
+llama.cpp's q8_0 / q4_0 layout (q8_0's bytes are `gguf`'s quantizer's: `q8_0_kernel`).
 
 Every type is one array per layer, `[kv_head, position, row]`, where a row is one position's
 head: `head_dim` floats, or `head_dim / 32` blocks of bytes. So the cache grows, copies a prefix,
@@ -20,6 +20,11 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from lmserve.engine.kv_types import KVType
+
+try:  # gguf's q8_0 bytes, compiled (where Numba is installed: not on macOS, where MLX serves)
+    from lmserve.engine_cpu.q8_0_kernel import q8_0_blocks
+except ImportError:
+    q8_0_blocks = None
 
 BLOCK = 32  # values per quantized block, and the Hadamard transform's size
 
@@ -62,7 +67,11 @@ class KVCodec:
     def encode(self, x: np.ndarray) -> np.ndarray:
         """float32 keys or values `[..., head_dim]` as stored rows."""
         if self.type.name == "q8_0":
-            return quantize(self.turn(x), GGMLQuantizationType.Q8_0)
+            if q8_0_blocks is None:
+                return quantize(self.turn(x), GGMLQuantizationType.Q8_0)
+            out = np.empty((*x.shape[:-1], self.row(x.shape[-1])), np.uint8)
+            q8_0_blocks(self.turn(x).reshape(-1, BLOCK), out.reshape(-1, self.type.block_bytes))
+            return out
         if self.type.name == "q4_0":
             return _q4_0(self.turn(x))
         return x.astype(self.dtype, copy=False)
