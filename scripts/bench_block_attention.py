@@ -1,5 +1,5 @@
-"""The NumPy engine's decode step over a quantized KV cache: attention reading the q8_0 / q4_0
-blocks themselves (`block_attention_kernel`, this checkout) against unpacking them into float32
+"""The NumPy engine's decode step over a q8_0, q4_0 or f16 KV cache: attention reading the stored
+rows themselves (`block_attention_kernel`, this checkout) against unpacking them into float32
 for BLAS first (as before it), and against a float32 cache, in one process (rounds alternate the
 sides, best of each kept).
 
@@ -69,7 +69,7 @@ def compare(caches: dict[CPUEngine, list], context: int, streams: int, rounds: i
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="GGUF (default: the embedded SmolLM2)")
-    p.add_argument("--kv-type", default="q8_0", choices=["q8_0", "q4_0"])
+    p.add_argument("--kv-type", default="q8_0", choices=["q8_0", "q4_0", "f16"])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--contexts", type=int, nargs="+", default=[1000, 4000, 16000])
     args = p.parse_args()

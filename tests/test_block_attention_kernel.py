@@ -1,6 +1,5 @@
-"""A decode step's attention read straight from a quantized cache's blocks
-(`block_attention_kernel`): against float64 attention over the values the blocks hold, for q8_0
-and q4_0, one decode row and a verify pass's rows, across chunk boundaries, sliding windows and
+"""A decode step's attention read straight from a cache's stored rows (`block_attention_kernel`):
+against float64 attention over the values they hold, for q8_0, q4_0 and f16, one decode row and a verify pass's rows, across chunk boundaries, sliding windows and
 gpt-oss's sinks, from a cache's sliced rows; the same bits on one thread and two; and an engine's
 decode step after hundreds of cached positions giving the answer the float32 path gives."""
 
@@ -51,7 +50,7 @@ def case_arrays(case: str, kv_type: str) -> tuple:
     return codec, q, keys, values, start, window, sinks
 
 
-@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0", "f16"])
 @pytest.mark.parametrize("case", CASES)
 def test_attention_over_blocks_matches_float64_over_their_values(case: str, kv_type: str) -> None:
     codec, q, keys, values, start, window, sinks = case_arrays(case, kv_type)
@@ -64,7 +63,7 @@ def test_attention_over_blocks_matches_float64_over_their_values(case: str, kv_t
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="one CPU")
-@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0", "f16"])
 def test_a_rows_output_does_not_depend_on_the_thread_count(kv_type: str) -> None:
     codec, q, keys, values, start, window, sinks = case_arrays("decode across chunks", kv_type)
     before = numba.get_num_threads()
@@ -84,7 +83,7 @@ def test_only_a_few_query_rows_read_the_blocks() -> None:
     assert not ops.reads_blocks(ops.FEW_QUERY_ROWS + 1)
 
 
-@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0", "f16"])
 def test_a_decode_step_over_blocks_answers_as_the_float32_path_does(kv_type: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """SmolLM2 after 700 cached positions of a real passage: the step reading the blocks and the

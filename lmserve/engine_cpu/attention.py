@@ -49,10 +49,10 @@ def attend(x: np.ndarray, a: AttentionWeights, batch: Batch, layer: int,
         values[:, s.start:end] = codec.encode(v[s.lo:s.hi].transpose(1, 0, 2))
         # Only the positions some row of the pass can see are read back (a sliding window's).
         # A quantized cache holds them in a turned basis: the query turns the same way, the output back.
-        # A decode step reads the blocks themselves (the compiled kernels), a prompt pass float32.
+        # A decode step reads the stored rows themselves (the compiled kernels), a prompt pass float32.
         first = max(0, s.start - a.window + 1) if a.window else 0
         keys, values = keys[:, first:end], values[:, first:end]
-        blocks = codec.type.name if codec.turned and ops.reads_blocks(batch.width * nq // nkv) else None
+        blocks = codec.type.name if codec.dtype != np.float32 and ops.reads_blocks(batch.width * nq // nkv) else None
         if blocks is None:
             keys, values = codec.decode(keys), codec.decode(values)
         mixed = ops.attention(codec.turn(q[s.lo:s.hi]), keys, values, s.start - first, scale, a.window, a.sinks,

@@ -1,4 +1,4 @@
-"""A decode step's attention read straight from a quantized KV cache's q8_0 / q4_0 blocks.
+"""A decode step's attention read straight from a q8_0, q4_0 or f16 KV cache's rows.
 
 Reading the blocks back into float32 first (`KVCodec.decode`) writes four bytes for every one
 the q8_0 cache holds, and a step then reads them again for the BLAS products: at 16,000 cached
@@ -26,15 +26,17 @@ from numba.extending import intrinsic
 from lmserve.engine_cpu.kernel_ir import F32, I16, I32, I64, LANES, VF, VQ, Builder
 
 BLOCK = 32  # values a block holds
+Q8_0, Q4_0, F16 = 0, 1, 2
+KINDS = {"q8_0": Q8_0, "q4_0": Q4_0, "f16": F16}  # the `--kv-type`s whose rows these kernels read
 CHUNK = 256  # positions a task reads: 8.5 KiB of q8_0 keys of 64 values, many tasks per thread
 _FAST = {"reassoc", "contract", "nsz"}
 
 
-def _block_reader(q4: bool):  # noqa: ANN202  (a Numba intrinsic)
-    """An intrinsic `read(stored, at, out, first)`: the block of bytes at `stored[at:]` (q8_0's,
-    or q4_0's where `q4`) as 32 float32 values into `out[first:]`, as `KVCodec.decode` gives them:
-    q8_0 `d * q`, q4_0 `(q - 8) * d` (byte j: value j low, value j + 16 high). Written as LLVM
-    vector IR: Numba's loop vectorizer leaves these loops scalar."""
+def _block_reader(kind: int):  # noqa: ANN202  (a Numba intrinsic)
+    """An intrinsic `read(stored, at, out, first)`: the bytes at `stored[at:]` as float32 values
+    into `out[first:]`, as `KVCodec.decode` gives them: a q8_0 block's 32 (`d * q`), a q4_0 block's
+    32 (`(q - 8) * d`; byte j: value j low, value j + 16 high), or 16 float16 values. Written as
+    LLVM vector IR: Numba's loop vectorizer leaves these loops scalar."""
     @intrinsic
     def read(typingctx, stored, at, out, first):  # noqa: ANN001, ANN202, ARG001
         def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202, ARG001
@@ -45,10 +47,14 @@ def _block_reader(q4: bool):  # noqa: ANN202  (a Numba intrinsic)
             def load(offset: int, vector: ir.Type) -> ir.Value:
                 return b.load(b.bitcast(b.gep(source, [ir.Constant(I64, offset)]), vector.as_pointer()), align=1)
 
+            if kind == F16:
+                halves = b.bitcast(load(0, ir.VectorType(I16, LANES)), ir.VectorType(ir.HalfType(), LANES))
+                b.store(b.fpext(halves, VF), b.bitcast(target, VF.as_pointer()), align=4)
+                return context.get_dummy_value()
             scale = b.fpext(b.bitcast(load(0, I16), ir.HalfType()), F32)
             d = b.shuffle_vector(b.insert_element(ir.Constant(VF, None), scale, ir.Constant(I32, 0)),
                                  ir.Constant(VF, None), ir.Constant(ir.VectorType(I32, LANES), [0] * LANES))
-            if q4:
+            if kind == Q4_0:
                 packed = load(2, VQ)
                 eight = ir.Constant(VF, [8.0] * LANES)
                 halves = [b.fsub(b.uitofp(part, VF), eight) for part in
@@ -62,7 +68,7 @@ def _block_reader(q4: bool):  # noqa: ANN202  (a Numba intrinsic)
     return read
 
 
-_read_q8, _read_q4 = _block_reader(q4=False), _block_reader(q4=True)
+_read_q8, _read_q4, _read_f16 = _block_reader(Q8_0), _block_reader(Q4_0), _block_reader(F16)
 
 
 def _vector_loop(update):  # noqa: ANN001, ANN202
@@ -100,19 +106,23 @@ def _add_times(typingctx, a, b, w):  # noqa: ANN001, ANN202, ARG001
 
 
 @njit(inline="always")
-def _unpack(stored, out, q4):  # noqa: ANN001, ANN202
-    """One position's blocks (`stored`: bytes) as float32 values into `out`."""
+def _unpack(stored, out, kind):  # noqa: ANN001, ANN202
+    """One position's row (`stored`: its bytes) as float32 values into `out`."""
+    if kind == F16:
+        for b in range(len(out) // LANES):
+            _read_f16(stored, b * 2 * LANES, out, b * LANES)
+        return
     for b in range(len(out) // BLOCK):
-        if q4:
+        if kind == Q4_0:
             _read_q4(stored, b * 18, out, b * BLOCK)
         else:
             _read_q8(stored, b * 34, out, b * BLOCK)
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True, nogil=True)
-def block_scores(queries, keys, scores, q4):  # noqa: ANN001, ANN201
+def block_scores(queries, keys, scores, kind):  # noqa: ANN001, ANN201
     """`scores[h, r, c]` = queries `[kv_heads, rows, head_dim]` row r . the key at position c of
-    `keys` `[kv_heads, seen, bytes]` (q8_0 blocks, or q4_0 where `q4`)."""
+    `keys` `[kv_heads, seen, bytes]` (rows of the `KINDS` type `kind`)."""
     kv_heads, rows, head_dim = queries.shape
     seen = keys.shape[1]
     chunks = (seen + CHUNK - 1) // CHUNK
@@ -120,15 +130,15 @@ def block_scores(queries, keys, scores, q4):  # noqa: ANN001, ANN201
         h, lo = task // chunks, task % chunks * CHUNK
         key = np.empty(head_dim, np.float32)
         for c in range(lo, min(seen, lo + CHUNK)):
-            _unpack(keys[h, c], key, q4)
+            _unpack(keys[h, c], key, kind)
             for r in range(rows):
                 scores[h, r, c] = _dot(queries[h, r], key)
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True, nogil=True)
-def block_mix(weights, values, out, q4):  # noqa: ANN001, ANN201
+def block_mix(weights, values, out, kind):  # noqa: ANN001, ANN201
     """`out[h, r]` = sum over positions c of `weights[h, r, c]` x the value at c of `values`
-    `[kv_heads, seen, bytes]` (q8_0 blocks, or q4_0 where `q4`); `out` `[kv_heads, rows,
+    `[kv_heads, seen, bytes]` (rows of the `KINDS` type `kind`); `out` `[kv_heads, rows,
     head_dim]`. Each chunk's sum is kept apart and the chunks are added in order."""
     kv_heads, rows, seen = weights.shape
     head_dim = out.shape[2]
@@ -139,7 +149,7 @@ def block_mix(weights, values, out, q4):  # noqa: ANN001, ANN201
         value = np.empty(head_dim, np.float32)
         acc = parts[h, part]
         for c in range(part * CHUNK, min(seen, part * CHUNK + CHUNK)):
-            _unpack(values[h, c], value, q4)
+            _unpack(values[h, c], value, kind)
             for r in range(rows):
                 _add_times(acc[r], value, weights[h, r, c])
     for h in prange(kv_heads):

@@ -39,7 +39,7 @@ GROUP = 16 * _cpus()
 # Attention scores of at most this many query rows a KV head (a decode step's) run as the keys
 # times the queries once their product is past SMALL_PRODUCT values multiplied, where OpenBLAS
 # leaves its small-matrix kernel (`_scores`; figures: docs/PERFORMANCE.md, measurements behind
-# code choices). Up to as many, a quantized cache's blocks are read by `block_attention_kernel`:
+# code choices). Up to as many, a q8_0 / q4_0 / f16 cache's rows are read by `block_attention_kernel`:
 # at 64 rows unpacking them into float32 for BLAS costs less (ibid.).
 FEW_QUERY_ROWS = 16
 SMALL_PRODUCT = 1 << 16
@@ -214,8 +214,8 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     positions already written. Query head h reads KV head h // (heads // kv_heads). Scores are
     scaled by `scale`. `window`: a query at position p sees keys in (p - window, p] only (sliding
     window; 0: all). `sinks` `[heads]`: one logit per head that joins the softmax's denominator
-    and nothing else (gpt-oss). `scratch`: the pass's buffer for the scores. `blocks`: "q8_0"
-    or "q4_0" where keys and values are a quantized cache's rows of blocks, which the compiled
+    and nothing else (gpt-oss). `scratch`: the pass's buffer for the scores. `blocks`: "q8_0",
+    "q4_0" or "f16" where keys and values are a cache's rows as it stores them, which the compiled
     kernels read (only where `reads_blocks` says so). Returns `[n, heads * head_dim]`.
     """
     n, n_heads, head_dim = q.shape
@@ -231,22 +231,24 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
         _softmax(scores, n, start, first, scale, window, sinks)
         out = scores @ values  # [kv_heads, group * n, head_dim]
     else:
-        kernels, q4 = _compiled("block_attention_kernel"), blocks == "q4_0"
+        kernels = _compiled("block_attention_kernel")
+        kind, keys, values = kernels.KINDS[blocks], keys.view(np.uint8), values.view(np.uint8)
         qg = np.ascontiguousarray(qg)
         shape = (kv_heads, group * n, keys.shape[1])
         scores = np.empty(shape, np.float32) if scratch is None else scratch.take(shape)
-        kernels.block_scores(qg, keys, scores, q4)
+        kernels.block_scores(qg, keys, scores, kind)
         _softmax(scores, n, start, first, scale, window, sinks)
         out = np.empty_like(qg)
-        kernels.block_mix(scores, values, out, q4)
+        kernels.block_mix(scores, values, out, kind)
     return out.reshape(kv_heads, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, n_heads * head_dim)
 
 
 def reads_blocks(query_rows: int) -> bool:
-    """Whether `attention` reads a quantized cache's blocks itself for a pass of `query_rows`
-    rows a KV head: where Numba is installed, and for a decode step's or verify pass's few rows,
-    whose one use of each position's keys and values costs less than unpacking them into float32
-    for BLAS (`block_attention_kernel`; a prompt pass's hundreds of rows run faster in BLAS)."""
+    """Whether `attention` reads a q8_0, q4_0 or f16 cache's rows itself for a pass of
+    `query_rows` rows a KV head: where Numba is installed, and for a decode step's or verify
+    pass's few rows, whose one use of each position's keys and values costs less than unpacking
+    them into float32 for BLAS (`block_attention_kernel`; a prompt pass's hundreds of rows run
+    faster in BLAS)."""
     return query_rows <= FEW_QUERY_ROWS and _compiled("block_attention_kernel") is not None
 
 
