@@ -42,17 +42,18 @@ def test_a_position_costs_what_its_type_says() -> None:
     assert prices == {"f32": 46_080, "f16": 23_040, "q8_0": 12_240, "q4_0": 6_480}
 
 
-@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0", "f16"])
 def test_cutting_copying_saving_and_batching_keep_the_type(kv_type: str, chat_goldens: list[dict],
                                                           tmp_path: Path) -> None:
-    """A cache cut back, a prefix copied and a saved-and-loaded cache hold the same blocks and give
+    """A cache cut back, a prefix copied and a saved-and-loaded cache hold the same rows and give
     the same logits, exactly, and those of a fresh prefill of the prefix; a batched step and a
-    verify pass (speculation) give each row its solo logits."""
+    verify pass (speculation), which read the stored rows in the compiled kernels, give each row
+    its solo logits."""
     e = engine(default_model_path(), kv_type)
     ids, n = chat_goldens[0]["prompt_ids"], 20
     fresh, (full, copied, loaded) = prefix_three_ways(e, ids, n, tmp_path / "kv.npz")
     for kv in (copied, loaded):
-        assert kv.k[0].dtype == np.uint8 and kv.length == n
+        assert kv.k[0].dtype == (np.float16 if kv_type == "f16" else np.uint8) and kv.length == n
         assert all(np.array_equal(a[:, :n], b[:, :n]) for a, b in zip(kv.k + kv.v, full.k + full.v, strict=True))
     after = [e.prefill(kv, [ids[n]]) for kv in (full, copied, loaded)]
     assert np.array_equal(after[0], after[1]) and np.array_equal(after[0], after[2])

@@ -23,7 +23,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from lmserve.engine_cpu.kernel_ir import F32, I16, I32, I64, LANES, VF, VQ, Builder
+from lmserve.engine_cpu.kernel_ir import F32, I16, I64, LANES, VF, VQ, Builder
 
 BLOCK = 32  # values a block holds
 Q8_0, Q4_0, F16 = 0, 1, 2
@@ -40,20 +40,17 @@ def _block_reader(kind: int):  # noqa: ANN202  (a Numba intrinsic)
     @intrinsic
     def read(typingctx, stored, at, out, first):  # noqa: ANN001, ANN202, ARG001
         def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202, ARG001
-            b = builder
-            source = b.gep(context.make_array(signature.args[0])(context, b, args[0]).data, [args[1]])
-            target = b.gep(context.make_array(signature.args[2])(context, b, args[2]).data, [args[3]])
+            k, b = Builder(context, builder, signature, args), builder
+            source, target = k.at(k.data(0), args[1]), k.at(k.data(2), args[3])
 
             def load(offset: int, vector: ir.Type) -> ir.Value:
-                return b.load(b.bitcast(b.gep(source, [ir.Constant(I64, offset)]), vector.as_pointer()), align=1)
+                return k.load_vector(source, ir.Constant(I64, offset), vector)
 
             if kind == F16:
                 halves = b.bitcast(load(0, ir.VectorType(I16, LANES)), ir.VectorType(ir.HalfType(), LANES))
-                b.store(b.fpext(halves, VF), b.bitcast(target, VF.as_pointer()), align=4)
+                k.store_vector(b.fpext(halves, VF), target, ir.Constant(I64, 0))
                 return context.get_dummy_value()
-            scale = b.fpext(b.bitcast(load(0, I16), ir.HalfType()), F32)
-            d = b.shuffle_vector(b.insert_element(ir.Constant(VF, None), scale, ir.Constant(I32, 0)),
-                                 ir.Constant(VF, None), ir.Constant(ir.VectorType(I32, LANES), [0] * LANES))
+            d = k.splat(b.fpext(b.bitcast(load(0, I16), ir.HalfType()), F32))
             if kind == Q4_0:
                 packed = load(2, VQ)
                 eight = ir.Constant(VF, [8.0] * LANES)
@@ -62,7 +59,7 @@ def _block_reader(kind: int):  # noqa: ANN202  (a Numba intrinsic)
             else:
                 halves = [b.sitofp(load(2 + p, VQ), VF) for p in (0, LANES)]
             for p, half in enumerate(halves):
-                b.store(b.fmul(half, d), b.bitcast(b.gep(target, [ir.Constant(I64, p * LANES)]), VF.as_pointer()), align=4)
+                k.store_vector(b.fmul(half, d), target, ir.Constant(I64, p * LANES))
             return context.get_dummy_value()
         return types.void(stored, at, out, first), codegen
     return read

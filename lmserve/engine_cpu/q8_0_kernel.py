@@ -13,8 +13,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-BLOCK = 32
-BLOCK_BYTES = 34
+BLOCK = 32  # values a block holds
 
 
 @intrinsic
