@@ -5,23 +5,33 @@ cores, every two-thread region of a decode step waited a scheduler time slice fo
 core was taken: SmolLM2's decode fell from 50 to 2 tok/s, where one thread still made 33. Users'
 laptops and CI runners are rarely idle, and the load changes while a server runs, so the count is
 not fixed at start: the tuner runs each pass shape (by its row count) with its best count so far,
-now and then tries another count on one pass, and keeps whichever the measured times favour. A
-trial that loses waits twice as long before the next one, so a machine whose load holds steady
-pays for trials rarely; a best count whose passes grow much slower than they were (load arrived)
-gets a trial at once (figures: docs/PERFORMANCE.md).
+now and then tries another count, and keeps whichever the measured times favour. A trial that
+loses waits twice as long before the next one, so a machine whose load holds steady pays for
+trials rarely; a best count whose passes grow much slower than they were (load arrived) gets a
+trial at once.
+
+A count stands for the median of its last few passes, not a moving average: one slow pass (a page
+fault, a burst of the HTTP thread or another process) once raised a two-thread average enough to
+start a trial and lose to one thread, which then ran a served SmolLM2 reply's next ~300 passes at
+7 ms where two threads took 5. A trial runs two passes and keeps the faster: the first pass after a
+switch wakes the other count's threads and ran 1.3-1.5 ms slower, enough to lose every trial back
+(figures: docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 FIRST_TRIAL = 16  # passes of a shape between trials of another thread count, at first
 LAST_TRIAL = 1024  # the longest wait a run of lost trials reaches
-WEIGHT = 0.3  # of a new time in a count's moving average
-SLOWED = 1.5  # the best count's average past this many times its lowest: try another at once
-MARGIN = 0.9  # a trial's pass must take less than this share of the best count's average to win
+RECENT = 5  # the best count's last passes whose median stands for it
+TRIAL_PASSES = 2  # passes a trial runs; the faster one is its measure
+SLOWED = 1.5  # the best count's median past this many times its lowest: try another at once
+MARGIN = 0.9  # a trial's pass must take less than this share of the best count's median to win
 
 
 @dataclass
@@ -29,11 +39,17 @@ class _Shape:
     """What the tuner knows of passes with one row count."""
 
     best: int
-    seconds: dict[int, float] = field(default_factory=dict)  # moving average per thread count
-    lowest: dict[int, float] = field(default_factory=dict)  # the lowest average each count reached
-    warm: set[int] = field(default_factory=set)  # the counts that have run a pass
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))  # the best count's last passes
+    lowest: float = float("inf")  # the lowest median the best count reached
+    warm: bool = False  # whether the best count has run a pass (the first starts its threads: not a measure)
     wait: int = FIRST_TRIAL
     until_trial: int = 2  # the first trial comes early: a busy machine is found out at once
+    trial_left: int = 0  # passes of the running trial still to come
+    trial_fastest: float = float("inf")  # the running trial's fastest pass so far
+
+    def typical(self) -> float | None:
+        """The best count's median pass, None before its first measured one."""
+        return statistics.median(self.recent) if self.recent else None
 
 
 class ThreadTuner:
@@ -56,9 +72,12 @@ class ThreadTuner:
             self._apply(self.counts[-1], wide=True)
             return 0
         shape = self._shapes.setdefault(rows, _Shape(best=self.counts[-1]))
-        shape.until_trial -= 1
+        if not shape.trial_left:
+            shape.until_trial -= 1
+            if shape.until_trial <= 0 and len(self.counts) > 1:
+                shape.trial_left, shape.trial_fastest = TRIAL_PASSES, float("inf")
         count = shape.best
-        if shape.until_trial <= 0 and len(self.counts) > 1:
+        if shape.trial_left:
             count = next(c for c in self.counts if c != shape.best)  # with two counts: the other one
         self._apply(count, wide=False)
         return count
@@ -73,25 +92,29 @@ class ThreadTuner:
         if not count:
             return
         shape = self._shapes[rows]
-        if count not in shape.warm:  # a count's first pass starts its threads: not a measure
-            shape.warm.add(count)
-            shape.until_trial = min(shape.until_trial, 1)
-            return
         if count == shape.best:
-            old = shape.seconds.get(count)
-            average = shape.seconds[count] = seconds if old is None else (1 - WEIGHT) * old + WEIGHT * seconds
-            shape.lowest[count] = min(average, shape.lowest.get(count, average))
-            if average > SLOWED * shape.lowest[count] and shape.until_trial > 1:
+            if not shape.warm:
+                shape.warm = True
+                return
+            shape.recent.append(seconds)
+            typical = statistics.median(shape.recent)
+            shape.lowest = min(shape.lowest, typical)
+            if typical > SLOWED * shape.lowest and shape.until_trial > 1:
                 shape.wait, shape.until_trial = FIRST_TRIAL, 1
             return
-        # A trial: one pass against the best count's average; it must win by a margin to take over.
-        best = shape.seconds.get(shape.best)
-        if best is None:  # the best count has no measured pass yet: compare again after two
+        # A trial's pass: its fastest, once all are run, against the best count's median.
+        shape.trial_left -= 1
+        shape.trial_fastest = min(shape.trial_fastest, seconds)
+        if shape.trial_left:
+            return
+        typical = shape.typical()
+        if typical is None:  # the best count has no measured pass yet: compare again after two
             shape.until_trial = 2
             return
-        if seconds < MARGIN * best:
-            shape.seconds[count], shape.lowest[count] = seconds, seconds
-            shape.best, shape.wait = count, FIRST_TRIAL
+        if shape.trial_fastest < MARGIN * typical:
+            shape.best, shape.lowest, shape.wait = count, shape.trial_fastest, FIRST_TRIAL
+            shape.recent.clear()
+            shape.recent.append(shape.trial_fastest)
         else:
             shape.wait = min(LAST_TRIAL, shape.wait * 2)
         shape.until_trial = shape.wait
