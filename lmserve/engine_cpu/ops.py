@@ -297,7 +297,9 @@ def _softmax(scores: np.ndarray, n: int, start: int, first: int, scale: float, w
     run = functools.partial(compiled, scores, n, start, first, np.float32(scale), window,
                             _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32))
     rows = scores.shape[0] * scores.shape[1]
-    parts = min(_cpus(), rows, scores.size // THREADED_SCORES)
+    parts = min(rows, scores.size // THREADED_SCORES)
+    if parts > 1:  # asked only here: the system call cost a decode step 1% (30 layers)
+        parts = min(parts, _cpus())
     if parts <= 1:  # a decode step's: no hand-off
         run(0, rows)
         return

@@ -14,6 +14,7 @@ at any width (`QuantMatrix.kernel_rows`).
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -194,9 +195,13 @@ class ExpertStack:
         take (at most an expert's `kernel_rows` rows each)."""
         from lmserve.engine_cpu import kernels
 
+        return kernels.grouped_times(np.ascontiguousarray(x, dtype=np.float32), *self._cubes, experts, firsts)
+
+    @functools.cached_property
+    def _cubes(self) -> tuple[np.ndarray, ...]:
+        """The arrays as `[experts, rows_each, ...]` views, in the kernels' argument order."""
         shape = (self.experts, self.rows_each, -1)
-        return kernels.grouped_times(np.ascontiguousarray(x, dtype=np.float32),
-                                     *(part.reshape(shape) for part in self.whole.arrays), experts, firsts)
+        return tuple(part.reshape(shape) for part in self.whole.arrays)
 
 
 Matrix = np.ndarray | QuantMatrix | MatrixStack  # a weight matrix as the forward pass reads it
