@@ -74,9 +74,12 @@ def test_a_row_that_is_not_finite_gives_nan_and_leaves_the_others_alone(qtype: G
 def test_int8_rows_get_the_same_bits_whatever_they_are_batched_with(int8_dots: None) -> None:
     matrix, _ = encoded_matrix(T.Q4_K, 97, 512)
     x = np.random.default_rng(2).standard_normal((KERNEL_ROWS, 512)).astype(np.float32)
-    batched = matrix.times(x)
+    batched = matrix.times(x)  # in tiles of OUTS matrix rows
+    few = matrix.times(x[:7])  # a matrix row at a time (COLUMN_ROWS), x rows by 4, 2 and 1
+    assert len(x) > int8_kernels.COLUMN_ROWS >= len(few)
     for i in range(len(x)):
         assert np.array_equal(matrix.times(x[i:i + 1])[0], batched[i])
+        assert i >= len(few) or np.array_equal(few[i], batched[i])
     experts, rows_each = 6, 40
     stack = ExpertStack(encoded_matrix(T.Q6_K, experts * rows_each, 512)[0], experts)
     groups, firsts = np.array([5, 0, 3]), np.array([0, 4, 5, 7])

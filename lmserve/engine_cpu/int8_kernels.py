@@ -45,6 +45,12 @@ WIDE, NARROW = 128, 32  # values a step: 512-bit vectors, then 128-bit ones past
 PARALLEL_VALUES = 1 << 15
 RUN = 16  # x values quantized and stored together: nibbles' x moves in runs of 16 (`_quantize`)
 INT8_WIDE_ROWS = 128  # the most rows of int8 values a product runs here (`wide_rows`)
+# Up to this many x rows (a decode step's, a verify pass's, a decode step's expert groups), a
+# product runs a matrix row at a time: from memory, tiles of OUTS rows ran 1.3-1.4x slower on
+# expert groups of one or two rows and 5-15% slower on SmolLM2's matrices at 2-16 rows; at 64-256
+# rows (prompt chunks) the tiles are 0-6% faster (figures: docs/PERFORMANCE.md, measurements
+# behind code choices). Either way a row gets the same bits.
+COLUMN_ROWS = 16
 _FEATURES = ("avx512vnni", "avx512bw", "avx512vl")
 
 
@@ -265,33 +271,37 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
     return dots
 
 
-_tile4, _tile2, _tile1 = (_dots(rows, OUTS) for rows in (4, 2, 1))
-_one = _dots(1, 1)
+def _by_rows(four, two, one):  # noqa: ANN001, ANN202  (Numba intrinsics in, a Numba function out)
+    """The product of matrix rows from `o` on with x rows `r:stop` by tiles of a row count: four x
+    rows at a time, then two, then one."""
+    @njit(inline="always", nogil=True)
+    def run(xq, q, scale, offset, supers, dx, xsum, out, o, r, stop):  # noqa: ANN001, ANN202
+        while r + 4 <= stop:
+            four(xq, q, scale, offset, supers, dx, xsum, out, o, r)
+            r += 4
+        if r + 2 <= stop:
+            two(xq, q, scale, offset, supers, dx, xsum, out, o, r)
+            r += 2
+        if r < stop:
+            one(xq, q, scale, offset, supers, dx, xsum, out, o, r)
+    return run
 
 
-@njit(inline="always", nogil=True)
-def _tiles(xq, q, scale, offset, supers, dx, xsum, out, o, r, stop):  # noqa: ANN001, ANN202
-    """Matrix rows `o:o + OUTS` against x rows `r:stop`: four at a time, then two, then one."""
-    while r + 4 <= stop:
-        _tile4(xq, q, scale, offset, supers, dx, xsum, out, o, r)
-        r += 4
-    if r + 2 <= stop:
-        _tile2(xq, q, scale, offset, supers, dx, xsum, out, o, r)
-        r += 2
-    if r < stop:
-        _tile1(xq, q, scale, offset, supers, dx, xsum, out, o, r)
+_tiles = _by_rows(*(_dots(rows, OUTS) for rows in (4, 2, 1)))  # matrix rows `o:o + OUTS`
+_column = _by_rows(*(_dots(rows, 1) for rows in (4, 2, 1)))  # matrix row `o`
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _times(x, q, scale, offset, supers, nibbles, superblocks):  # noqa: ANN001, ANN202
     """x rounded to int8 (one call: a launch's own cost is a few microseconds, and a decode step
-    makes 100-400 of them), then its product with the matrix."""
+    makes 100-400 of them), then its product with the matrix: a matrix row at a time for a few
+    rows of x (COLUMN_ROWS), in tiles of OUTS matrix rows for more."""
     size = x.shape[1] // scale.shape[1]
     xq, dx, xsum = _quantize(x, size, SUPERBLOCK if superblocks else size, nibbles)
     out = np.empty((x.shape[0], q.shape[0]), np.float32)
-    if x.shape[0] == 1:
+    if x.shape[0] <= COLUMN_ROWS:
         for o in prange(q.shape[0]):
-            _one(xq, q, scale, offset, supers, dx, xsum, out, o, 0)
+            _column(xq, q, scale, offset, supers, dx, xsum, out, o, 0, x.shape[0])
         return out
     for tile in prange(-(-q.shape[0] // OUTS)):
         _tiles(xq, q, scale, offset, supers, dx, xsum, out, tile * OUTS, 0, x.shape[0])
@@ -304,11 +314,11 @@ def _grouped_times(x, q, scale, offset, supers, nibbles, superblocks, experts, f
     xq, dx, xsum = _quantize(x, size, SUPERBLOCK if superblocks else size, nibbles)
     out = np.empty((x.shape[0], q.shape[1]), np.float32)
     rows = q.shape[1]
-    if firsts[-1] == len(experts):
+    if np.max(firsts[1:] - firsts[:-1]) <= COLUMN_ROWS:
         for t in prange(len(experts) * rows):
             g, o = t // rows, t % rows
             e = experts[g]
-            _one(xq, q[e], scale[e], offset[e], supers[e], dx, xsum, out, o, g)
+            _column(xq, q[e], scale[e], offset[e], supers[e], dx, xsum, out, o, firsts[g], firsts[g + 1])
         return out
     tiles = -(-rows // OUTS)
     for t in prange(len(experts) * tiles):

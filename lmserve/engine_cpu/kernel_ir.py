@@ -19,8 +19,9 @@ VH, VI32 = ir.VectorType(I16, LANES), ir.VectorType(I32, LANES)
 BLOCK_SIZES = (32, 16)  # values per scale: quant_blocks.SUPPORTED's sizes
 HALF_GROUP = 8  # float16 scales widened together (one AVX2 / two NEON conversions)
 NIBBLE_GROUP = 32  # nibble-packed values: 16 bytes hold values 0-15 in the low halves, 16-31 in the high
-# Matrix rows a tile computes: 2 make a 4-row decode step fastest, 1 is clearly slower, 4 a little
-# (figures: docs/PERFORMANCE.md, measurements behind code choices).
+# Matrix rows a tile computes: 2 make a 4-row decode step fastest on the float kernels, 1 is clearly
+# slower, 4 a little; the int8 kernels run one matrix row at a time for few x rows instead
+# (`int8_kernels.COLUMN_ROWS`; figures: docs/PERFORMANCE.md, measurements behind code choices).
 OUTS = 2
 
 
