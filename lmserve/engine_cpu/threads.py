@@ -47,9 +47,9 @@ class _Shape:
     trial_left: int = 0  # passes of the running trial still to come
     trial_fastest: float = float("inf")  # the running trial's fastest pass so far
 
-    def typical(self) -> float | None:
-        """The best count's median pass, None before its first measured one."""
-        return statistics.median(self.recent) if self.recent else None
+    def median(self) -> float:
+        """The best count's median pass (it has run one)."""
+        return statistics.median(self.recent)
 
 
 class ThreadTuner:
@@ -97,7 +97,7 @@ class ThreadTuner:
                 shape.warm = True
                 return
             shape.recent.append(seconds)
-            typical = statistics.median(shape.recent)
+            typical = shape.median()
             shape.lowest = min(shape.lowest, typical)
             if typical > SLOWED * shape.lowest and shape.until_trial > 1:
                 shape.wait, shape.until_trial = FIRST_TRIAL, 1
@@ -107,11 +107,10 @@ class ThreadTuner:
         shape.trial_fastest = min(shape.trial_fastest, seconds)
         if shape.trial_left:
             return
-        typical = shape.typical()
-        if typical is None:  # the best count has no measured pass yet: compare again after two
+        if not shape.recent:  # the best count has no measured pass yet: compare again after two
             shape.until_trial = 2
             return
-        if shape.trial_fastest < MARGIN * typical:
+        if shape.trial_fastest < MARGIN * shape.median():
             shape.best, shape.lowest, shape.wait = count, shape.trial_fastest, FIRST_TRIAL
             shape.recent.clear()
             shape.recent.append(shape.trial_fastest)
