@@ -87,3 +87,9 @@ def test_a_trial_is_not_lost_to_waking_the_other_count_s_threads() -> None:
             count = tuner.choose(1)
             tuner.record(1, count, switching(count, machine))
     assert last[19] == 1 and last[-4:] == [2] * 4
+
+
+def test_without_trials_every_pass_keeps_every_thread() -> None:
+    """A benchmark's sides of several-fold different pass times set off no trial of one thread."""
+    tuner = ThreadTuner(2, lambda n, wide: None, 24, trials=False)
+    assert run(tuner, IDLE, 50) + run(tuner, BUSY, 50) + run(tuner, IDLE, 50) == [2] * 150

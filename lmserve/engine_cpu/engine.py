@@ -57,14 +57,15 @@ class CPUEngine(Engine[CPUCache]):
     def __init__(self, gguf: GGUFFile, config: ModelConfig,
                  progress: Callable[[int, int], None] | None = None,
                  available_memory: int | None = None, quantized: bool | None = None,
-                 kv_type: str = AUTO, dots: str = AUTO) -> None:
+                 kv_type: str = AUTO, dots: str = AUTO, tune_threads: bool = True) -> None:
         """`available_memory`: bytes the weights may take (None: what psutil reports available);
         a model whose weights need more is refused with `ModelLoadError`. `quantized`: keep
         quantized matrices quantized (None: when the compiled kernels run here; False: float32
         throughout, the reference arithmetic). `kv_type`: what keys and values are cached as
         (`auto`: float32); ModelLoadError for a block type the model's head sizes do not divide.
         `dots`: `int8` or `float32` activations in the kernels' products, for the whole process
-        (`int8_kernels.choose`; `auto` leaves its default)."""
+        (`int8_kernels.choose`; `auto` leaves its default). `tune_threads` False: decode passes
+        keep every thread, with no trials of one (`ThreadTuner`'s `trials`)."""
         self.config = config
         self.kv_type = "f32" if kv_type == AUTO else kv_type
         check_head_sizes(KV_TYPES[self.kv_type], (config.head_size(i) for i in config.attention_layers))
@@ -88,7 +89,7 @@ class CPUEngine(Engine[CPUCache]):
                 kernels.set_threads(count)
                 blas(most if wide else 1)
 
-            self._threads = ThreadTuner(most, apply, KERNEL_ROWS)
+            self._threads = ThreadTuner(most, apply, KERNEL_ROWS, trials=tune_threads)
         self.device = f"numpy, {kind} ({len(os.sched_getaffinity(0))} cpus)"
 
     # -- caches ------------------------------------------------------------------------------

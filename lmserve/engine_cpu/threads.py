@@ -58,8 +58,12 @@ class ThreadTuner:
     machine) run with every thread. `set_threads(count, wide)` applies a pass's count to the
     calling thread."""
 
-    def __init__(self, most: int, set_threads: Callable[[int, bool], None], tuned_rows: int) -> None:
-        self.counts = tuple(sorted({1, most}))
+    def __init__(self, most: int, set_threads: Callable[[int, bool], None], tuned_rows: int,
+                 trials: bool = True) -> None:
+        """`trials` False: every pass keeps `most`, the count a tuned shape starts from (benchmarks
+        whose sides differ several-fold in pass time, which would set trials off and hand one
+        side's passes to one thread)."""
+        self.counts = tuple(sorted({1, most})) if trials else (most,)
         self.tuned_rows = tuned_rows
         self._set = set_threads
         self._shapes: dict[int, _Shape] = {}
