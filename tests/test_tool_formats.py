@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from functools import cache
 
@@ -165,6 +167,22 @@ def test_each_fixture_family_gets_its_own_format(family: str) -> None:
     ("gemma-4.jinja", GEMMA4), ("gemma-4-interleaved.jinja", GEMMA4)])
 def test_template_markers_name_the_family(template: str, family: str) -> None:
     assert family_of(ChatTemplate((TEMPLATES / template).read_text())) == family
+
+
+def test_detecting_a_format_leaves_transformers_unimported() -> None:
+    """The server's warm-up thread detects the format while the first replies decode: importing
+    mlx_lm's package (transformers, about a second of Python holding the GIL) slowed them."""
+    script = f"""
+import sys
+from lmserve.chat.tool_format import detect
+from lmserve.model.chat_template import ChatTemplate
+for name in ("qwen3.jinja", "qwen3-coder.jinja", "devstral.jinja"):
+    found = detect(ChatTemplate(open({str(TEMPLATES)!r} + "/" + name).read()), {{}})
+    assert found is not None and found.parser is not None, name
+print(sorted(m for m in ("transformers", "mlx_lm") if m in sys.modules))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_harmony_end_only_closes_a_message() -> None:

@@ -9,18 +9,23 @@ times), Qwen3-Coder's `<function=...>` XML (also Qwen3.5 / 3.6's), Mistral's
 `<|tool_call>call:name{...}<tool_call|>` notation (`chat/gemma4.py`) and gpt-oss's harmony channels
 (routed by `chat/harmony.py`). Bodies are parsed with `mlx_lm.tool_parsers` where it has the format
 right (hermes, Qwen3-Coder, Mistral, and the other families it knows, parse-only); Llama, Gemma 4 and
-harmony parsing is ours. Importing mlx_lm pulls in transformers (about a second), so it happens on
-the first request that offers tools, not at startup.
+harmony parsing is ours. The parser modules are loaded without mlx_lm's package `__init__`
+(`parser_module`), which imports transformers: about a second of Python that, run in the server's
+warm-up thread, held the GIL from the first reply's decode steps (figures: docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import logging
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from lmserve.chat import gemma4
@@ -300,6 +305,28 @@ def family_of(template: ChatTemplate, vocab: dict[str, int] | None = None) -> st
     return HERMES
 
 
+PARSERS_PACKAGE = "lmserve._mlx_lm_tool_parsers"  # mlx_lm/tool_parsers/ loaded under this name
+
+
+def parser_module(family: str) -> ModuleType:
+    """`mlx_lm.tool_parsers.<family>`, loaded from mlx-lm's files as a module of PARSERS_PACKAGE:
+    the parsers import only the standard library, `regex` and each other, not mlx_lm's package
+    `__init__` (transformers). ImportError where mlx-lm is not installed or has no such parser."""
+    if PARSERS_PACKAGE not in sys.modules:
+        spec = importlib.util.find_spec("mlx_lm")  # finds, does not import, a top-level package
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError("mlx-lm is not installed")
+        folder = Path(next(iter(spec.submodule_search_locations))) / "tool_parsers"
+        package_spec = importlib.util.spec_from_file_location(
+            PARSERS_PACKAGE, folder / "__init__.py", submodule_search_locations=[str(folder)])
+        if package_spec is None or package_spec.loader is None:
+            raise ImportError(f"no mlx-lm tool parsers in {folder}")
+        package = importlib.util.module_from_spec(package_spec)
+        sys.modules[PARSERS_PACKAGE] = package
+        package_spec.loader.exec_module(package)
+    return importlib.import_module(f"{PARSERS_PACKAGE}.{family}")
+
+
 def detect(template: ChatTemplate, vocab: dict[str, int]) -> ToolFormat | None:
     """The model's tool-call format, or None for a family that cannot be parsed here (calls stay text)."""
     family = family_of(template, vocab)
@@ -310,7 +337,7 @@ def detect(template: ChatTemplate, vocab: dict[str, int]) -> ToolFormat | None:
     if family == GEMMA4:
         return ToolFormat(GEMMA4, gemma4.CALL_OPEN, gemma4.CALL_CLOSE, gemma4.parse_call)
     try:
-        module = importlib.import_module(f"mlx_lm.tool_parsers.{family}")
+        module = parser_module(family)
     except ImportError:
         if family == HERMES:
             return ToolFormat(HERMES, HERMES_START, HERMES_END, _json_body, lead=HERMES_LEAD)
