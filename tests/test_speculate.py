@@ -112,7 +112,7 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 def test_drafts_what_followed_the_latest_match_of_the_last_three_tokens() -> None:
     lookup = PromptLookup([10, 11, 12, 13, 14, 10, 11, 12, 20, 21, 22, 23])
     lookup.extend([10, 11, 12])
-    assert lookup.draft(4) == [20, 21, 22, 23]
+    assert lookup.draft(3) == [20, 21, 22]
     assert lookup.draft(2) == [20, 21]
     assert lookup.draft(0) == []
 
@@ -160,22 +160,35 @@ def test_a_shared_pass_only_gets_a_probe_until_the_sequence_copies() -> None:
     assert lookup.draft(10, shared=True) == list(range(3, 13))
 
 
+def test_a_first_draft_is_a_probe_then_drafts_grow_once_one_gained() -> None:
+    """A 16-row verify pass costs the NumPy engine about six decode steps: a reply with nothing
+    to copy pays for short probes only."""
+    lookup = PromptLookup(list(range(10, 40)) + list(range(10, 13)) + [90, 91])
+    lookup.extend([20, 21, 22])
+    assert lookup.draft(10) == list(range(23, 26))[:speculate.PROBE]
+    lookup.record(speculate.PROBE, 1)  # gained, but not whole: no longer a first draft
+    assert lookup.draft(10) == list(range(23, 33))
+    lookup.record(10, 0)  # missed: paused, and the draft after the pause is a probe again
+    lookup.extend(list(range(100, 100 + speculate.PAUSE)) + [10, 11, 12])
+    assert lookup.draft(10) == [90, 91, 20][:speculate.PROBE]
+
+
 def test_a_draft_is_verified_only_when_its_expected_gain_pays_for_the_pass() -> None:
     costs = speculate.PassCosts()
     lookup = PromptLookup(list(range(40)))
     lookup.extend([0, 1, 2])
-    draft = lookup.draft(4)
-    assert draft == [3, 4, 5, 6]
+    draft = lookup.draft(3)
+    assert draft == [3, 4, 5]
     assert costs.pays([lookup], [draft]) is None  # no decode step of this batch timed yet
     costs.record(1, 1, 0.020)
-    assert costs.pays([lookup], [draft]) is True  # a pass of 5 rows not timed yet: tried
-    costs.record(1, 5, 0.060)  # it costs 3 decode steps
-    assert costs.pays([lookup], [draft]) is True  # an untried drafter is expected to gain all 4
-    lookup.record(4, 1)
-    assert costs.pays([lookup], [draft]) is False  # 2 tokens in 3 steps' time
-    lookup.record(4, 4)  # recent average gain 2.5: 3.5 tokens in 3 steps' time
+    assert costs.pays([lookup], [draft]) is True  # a pass of 4 rows not timed yet: tried
+    costs.record(1, 4, 0.050)  # it costs 2.5 decode steps
+    assert costs.pays([lookup], [draft]) is True  # an untried drafter is expected to gain all 3
+    lookup.record(3, 1)
+    assert costs.pays([lookup], [draft]) is False  # 2 tokens in 2.5 steps' time
+    lookup.record(3, 3)  # recent average gain 2: 3 tokens in 2.5 steps' time
     assert costs.pays([lookup], [draft]) is True
-    costs.record(1, 5, 0.120)  # the pass now averages 0.075 s: 3.5 tokens in 3.75 steps' time
+    costs.record(1, 4, 0.110)  # the pass now averages 0.065 s: 3 tokens in 3.25 steps' time
     assert costs.pays([lookup], [draft]) is False
     assert costs.pays([lookup, None], [draft, []]) is None  # a batch of 2 is another shape
 
@@ -456,10 +469,10 @@ def test_the_draft_model_catches_up_then_drafts_its_greedy_continuation(tiny_lla
     drafter = speculate.ModelDrafter(engine, prompt, 1024, vocab)
     assert drafter.draft(4) == []  # the first CATCH_UP prompt tokens go in first
     first = drafter.draft(4)
-    assert first == greedy(prompt, 4)
+    assert first == greedy(prompt, speculate.PROBE)  # a first draft is a probe
     taken = [*first[:2], (first[2] + 1) % vocab]  # two accepted, then the model's own token
     drafter.extend(taken)
-    drafter.record(4, 2)
+    drafter.record(len(first), 2)
     assert drafter.draft(4) == greedy(prompt + taken, 4)
 
 

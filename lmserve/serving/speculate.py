@@ -23,9 +23,11 @@ a second than a decode step. A sequence whose draft gains nothing, or is not wor
 pauses drafting for `PAUSE` tokens, twice as long each time that happens again (at most
 `MAX_PAUSE`), and an accepted draft resets the pause: a reply with nothing to copy pays for a few
 probes, not for a draft every step. After a pause a sequence's next draft is tried whatever its
-past, so that a reply that starts copying late is found. In a pass shared with other sequences a
-long draft widens it for all of them (the engine pads to the longest list), so there a sequence
-only probes with `PROBE` tokens until a draft of it is accepted whole. And prompt lookup drafts
+past, so that a reply that starts copying late is found, but with `PROBE` tokens at most: a verify
+pass's cost grows with its width (on the NumPy engine 16 rows cost about six decode steps), and
+most probes of a reply with nothing to copy miss. In a pass shared with other sequences a long
+draft widens it for all of them (the engine pads to the longest list), so there a sequence only
+probes with `PROBE` tokens until a draft of it is accepted whole. And prompt lookup drafts
 from a match shorter than 3 tokens only right after a draft was accepted whole: in prose such
 matches are mostly chance, while most 3-token matches gain a token (figures: docs/PERFORMANCE.md,
 measurements behind code choices).
@@ -45,11 +47,11 @@ MODES = ("off", "ngram", "draft")
 DEFAULT_MODE = "ngram"  # measured not to lose: scripts/bench_engine.py --speculate, docs/LMSERVER.md
 NGRAM = 3  # trailing tokens a match needs (fewer only while copying)
 CONTEXT = 8  # trailing tokens compared at most to choose between matches (the latest alone: fewer accepted)
-# Per step: a 16-row pass costs the NumPy engine no more than somewhat shorter ones, and a reply
-# that copies gains more from 15 than from 10 (figures: docs/PERFORMANCE.md, measurements behind code choices).
+# A reply that copies gains more from 15 than from 10 (figures: docs/PERFORMANCE.md, measurements
+# behind code choices).
 MAX_DRAFT = 15
 MODEL_DRAFT = 4  # tokens a draft model writes at most per step (one small-model step each)
-PROBE = 3  # the most a sequence drafts in a shared pass until a draft of it is accepted whole
+PROBE = 3  # the most a first draft (since a pause) holds, and in a shared pass any until one is accepted whole
 PAUSE, MAX_PAUSE = 8, 256
 COST_WEIGHT = 0.25  # of a new measurement in a pass shape's moving average
 CATCH_UP = 256  # prompt tokens a draft model prefills per step before it drafts again
@@ -82,9 +84,10 @@ class Drafter:
         raise NotImplementedError
 
     def draft(self, limit: int, shared: bool = False) -> list[int]:
-        """Up to `limit` tokens that may come next; [] while paused. `shared`: other sequences
-        take part in the pass."""
-        limit = min(limit, self.max_draft if self.copying or not shared else PROBE)
+        """Up to `limit` tokens that may come next; [] while paused; PROBE at most for a first
+        draft (since a pause) and, in a pass `shared` with other sequences, until a draft is
+        accepted whole."""
+        limit = min(limit, self.max_draft if self.copying or (self._gain is not None and not shared) else PROBE)
         if limit <= 0 or self.length < self._resume_at:
             return []
         return self.propose(limit)
