@@ -1,11 +1,13 @@
-"""The NumPy engine's decode step with this checkout's compiled RMSNorm and decode-shaped attention
-scores, against their NumPy forms, in one process (rounds alternate the sides, best of each kept).
+"""The NumPy engine's decode step with this checkout's compiled RMSNorm and decode-shaped attention,
+against their NumPy forms, in one process (rounds alternate the sides, best of each kept).
 
 Sides: `numpy` (the norm as macOS runs it, scores as queries times keys), `norm` (the compiled
-norm), `both` (and the scores of a decode step's few query rows as keys times queries). Each at
---contexts cached positions, for one and for four streams; the same bits on every side.
+norm), `both` (and the scores of a decode step's few query rows as keys times queries), `one call`
+(and a float32 cache's attention as one compiled call a cache, `row_attention_kernel`, up to
+`ops.ONE_CALL_POSITIONS` positions). Each at --contexts cached positions, for one and for four
+streams; the same bits on the first three sides, within float32 rounding on the last.
 
-    python scripts/bench_decode_paths.py [--model PATH] [--rounds N] [--contexts 100 2000 8000] [--kv-type q8_0]
+    python scripts/bench_decode_paths.py [--model PATH] [--rounds N] [--contexts 100 500 2000 8000] [--kv-type q8_0]
 """
 
 from __future__ import annotations
@@ -29,24 +31,26 @@ from lmserve.model.config import ModelConfig  # noqa: E402
 from lmserve.model.default_model import default_model_path  # noqa: E402
 from lmserve.model.gguf_file import GGUFFile  # noqa: E402
 
-COMPILED_NORM, FEW_QUERY_ROWS = ops._compiled_norm, ops.FEW_QUERY_ROWS
+COMPILED_NORM, FEW_QUERY_ROWS, ONE_CALL_POSITIONS = ops._compiled_norm, ops.FEW_QUERY_ROWS, ops.ONE_CALL_POSITIONS
 
 
-def side(norm: bool, scores: bool) -> Callable[[], None]:
+def side(norm: bool, scores: bool, one_call: bool = False) -> Callable[[], None]:
     def choose() -> None:
         ops._compiled_norm = COMPILED_NORM if norm else (lambda: None)
         ops.FEW_QUERY_ROWS = FEW_QUERY_ROWS if scores else 0
+        ops.ONE_CALL_POSITIONS = ONE_CALL_POSITIONS if one_call else 0
     return choose
 
 
-SIDES = {"numpy": side(False, False), "norm": side(True, False), "both": side(True, True)}
+SIDES = {"numpy": side(False, False), "norm": side(True, False), "both": side(True, True),
+         "one call": side(True, True, True)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="GGUF (default: the embedded SmolLM2)")
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--contexts", type=int, nargs="+", default=[100, 2000, 8000])
+    p.add_argument("--contexts", type=int, nargs="+", default=[100, 500, 2000, 8000])
     p.add_argument("--kv-type", default="auto", help="what the cache holds (as the server's --kv-type)")
     args = p.parse_args()
     model = args.model or default_model_path()

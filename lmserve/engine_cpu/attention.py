@@ -39,9 +39,36 @@ def attend(x: np.ndarray, a: AttentionWeights, batch: Batch, layer: int,
     if a.q_norm is not None and a.k_norm is not None:
         heads[:, :nq] = ops.rms_norm(heads[:, :nq], a.q_norm, eps)
         heads[:, nq:nq + nkv] = ops.rms_norm(heads[:, nq:nq + nkv], a.k_norm, eps)
+    out = np.empty((n, nq * hd), dtype=np.float32)
+    if _in_one_call(batch, nq // nkv):
+        for s in batch.spans:
+            ops.attend_rows(heads[s.lo:s.hi, :nq + nkv], v[s.lo:s.hi], rope[0][s.lo:s.hi], rope[1][s.lo:s.hi],
+                            s.cache.k[layer], s.cache.v[layer], s.start, scale, a.window, a.sinks,
+                            out[s.lo:s.hi].reshape(-1, nq, hd))
+    else:
+        _attend_spans(heads, v, a, batch, layer, rope, scale, out)
+    if gate is not None:
+        out *= ops.sigmoid(gate)
+    out = ops.linear(out, a.o)
+    if a.o_bias is not None:
+        out += a.o_bias
+    return out
+
+
+def _in_one_call(batch: Batch, group: int) -> bool:
+    """Whether every cache of the pass is float32 and `ops.attends_in_one_call` takes the pass."""
+    positions = max(s.start for s in batch.spans) + batch.width
+    return (all(s.cache.codec.dtype == np.float32 for s in batch.spans)
+            and ops.attends_in_one_call(batch.width * group, positions))
+
+
+def _attend_spans(heads: np.ndarray, v: np.ndarray, a: AttentionWeights, batch: Batch, layer: int,
+                  rope: tuple[np.ndarray, np.ndarray], scale: float, out: np.ndarray) -> None:
+    """Each cache's rows rotated, written and attended in NumPy (and the compiled block readers),
+    into `out` `[n, heads * head_dim]`."""
+    nq, nkv, hd = a.heads
     qk = ops.rope(heads[:, :nq + nkv], *rope)  # Q and K in one pass
     q, k = qk[:, :nq], qk[:, nq:]
-    out = np.empty((n, nq * hd), dtype=np.float32)
     for s in batch.spans:
         end = s.start + batch.width
         keys, values, codec = s.cache.k[layer], s.cache.v[layer], s.cache.codec
@@ -58,9 +85,3 @@ def attend(x: np.ndarray, a: AttentionWeights, batch: Batch, layer: int,
         mixed = ops.attention(codec.turn(q[s.lo:s.hi]), keys, values, s.start - first, scale, a.window, a.sinks,
                               batch.scratch, blocks)
         out[s.lo:s.hi] = codec.unturn(mixed.reshape(-1, nq, hd)).reshape(-1, nq * hd)
-    if gate is not None:
-        out *= ops.sigmoid(gate)
-    out = ops.linear(out, a.o)
-    if a.o_bias is not None:
-        out += a.o_bias
-    return out

@@ -43,6 +43,11 @@ GROUP = 16 * _cpus()
 # at 64 rows unpacking them into float32 for BLAS costs less (ibid.).
 FEW_QUERY_ROWS = 16
 SMALL_PRODUCT = 1 << 16
+# A decode step's (or verify pass's) attention over a float32 cache runs as one compiled call a
+# cache (`row_attention_kernel`: the rope, the cache writes, scores, softmax and mix) while it reads
+# at most this many positions; past them NumPy's threaded products are as fast (figures:
+# docs/PERFORMANCE.md, measurements behind code choices).
+ONE_CALL_POSITIONS = 4096
 # A softmax over at least this many scores (a prompt pass's, about a millisecond of work a part) is
 # split between the CPUs, a range of rows on each (`_softmax`; figures: docs/PERFORMANCE.md,
 # measurements behind code choices).
@@ -250,6 +255,23 @@ def reads_blocks(query_rows: int) -> bool:
     them into float32 for BLAS (`block_attention_kernel`; a prompt pass's hundreds of rows run
     faster in BLAS)."""
     return query_rows <= FEW_QUERY_ROWS and _compiled("block_attention_kernel") is not None
+
+
+def attends_in_one_call(query_rows: int, positions: int) -> bool:
+    """Whether `attend_rows` takes a pass of `query_rows` rows a KV head over a float32 cache
+    that it reads `positions` of: a decode step's or verify pass's few rows, where Numba is."""
+    return (query_rows <= FEW_QUERY_ROWS and positions <= ONE_CALL_POSITIONS
+            and _compiled("row_attention_kernel") is not None)
+
+
+def attend_rows(qk: np.ndarray, v: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
+                values: np.ndarray, start: int, scale: float, window: int, sinks: np.ndarray | None,
+                out: np.ndarray) -> None:
+    """`row_attention_kernel.attend_rows` (where `attends_in_one_call`): one cache's new rows
+    rotated, written and attended, into `out` `[n, heads, head_dim]`."""
+    kernel = _compiled("row_attention_kernel").attend_rows
+    kernel(qk, v, cos, sin, keys, values, start, np.float32(scale), window,
+           _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32), out)
 
 
 _NO_SINKS = np.empty(0, np.float32)
