@@ -46,7 +46,7 @@ def test_int8_products_are_the_products_of_x_rounded_to_int8(qtype: GGMLQuantiza
         matrix, values = encoded_matrix(qtype, 37, columns)
         for rows in (1, 2, 5, 7, KERNEL_ROWS):
             x = np.random.default_rng(rows).standard_normal((rows, columns)).astype(np.float32)
-            want = rounded(x, SUPERBLOCK if int8_kernels._by_superblock(matrix.q.dtype, matrix.scale.dtype) else matrix.block).astype(np.float64) @ values.T.astype(np.float64)
+            want = rounded(x, SUPERBLOCK if int8_kernels.by_superblock(matrix.q.dtype, matrix.scale.dtype) else matrix.block).astype(np.float64) @ values.T.astype(np.float64)
             exact = x.astype(np.float64) @ values.T.astype(np.float64)
             got = matrix.times(x)
             scale = float(np.abs(exact).max())

@@ -31,7 +31,7 @@ import numpy as np
 
 from lmserve.engine.kv_types import AUTO, KV_TYPES, check_head_sizes
 from lmserve.engine.protocol import Engine, check_token_ids, verify_rows
-from lmserve.engine_cpu import delta_net, ops
+from lmserve.engine_cpu import decode_layer, delta_net, ops
 from lmserve.engine_cpu.attention import attend
 from lmserve.engine_cpu.batch import Batch
 from lmserve.engine_cpu.cache import CPUCache, Layout
@@ -40,6 +40,7 @@ from lmserve.engine_cpu.qmatrix import KERNEL_ROWS
 from lmserve.engine_cpu.threads import ThreadTuner, blas_threads
 from lmserve.engine_cpu.weights import DeltaNetWeights, kept_forms, load_weights, stacked_forms
 from lmserve.model.config import ModelConfig
+from lmserve.model.families import SILU
 from lmserve.model.gguf_file import GGUFFile
 
 FORWARD_CHUNK = 256  # prompt tokens per forward pass: bounds the attention scores' memory
@@ -76,6 +77,7 @@ class CPUEngine(Engine[CPUCache]):
         self._layout = Layout.of(config, self.kv_type)
         self.weight_bytes = self.weights.nbytes
         self._threads: ThreadTuner | None = None
+        self._halves = [decode_layer.NONE] * len(self.weights.layers)  # the layers' compiled decode halves
         kind = "float32"
         if quantized:
             from lmserve.engine_cpu import int8_kernels, kernels
@@ -90,6 +92,9 @@ class CPUEngine(Engine[CPUCache]):
                 blas(most if wide else 1)
 
             self._threads = ThreadTuner(most, apply, KERNEL_ROWS, trials=tune_threads)
+            silu = config.activation == SILU
+            self._halves = [decode_layer.compiled_halves(layer, silu) for layer in self.weights.layers]
+            decode_layer.prepare(self._halves)
         self.device = f"numpy, {kind} ({len(os.sched_getaffinity(0))} cpus)"
 
     # -- caches ------------------------------------------------------------------------------
@@ -196,18 +201,21 @@ class CPUEngine(Engine[CPUCache]):
         h = w.embed[ids]
         if cfg.embed_scale != 1.0:
             h = h * np.float32(cfg.embed_scale)  # rounded to float32 first, as Gemma does
-        for li, layer in enumerate(w.layers):
-            x = ops.rms_norm(h, layer.attn_norm, cfg.rms_eps)
+        for li, (layer, halves) in enumerate(zip(w.layers, self._halves, strict=True)):
+            # h is this pass's own array (the embedding rows were copied out): the halves add to it.
             mixer = layer.mixer
-            if isinstance(mixer, DeltaNetWeights):
-                out = delta_net.mix(x, mixer, batch, li, cfg.linear_attention, cfg.rms_eps)
-            else:
-                out = attend(x, mixer, batch, li, local if mixer.local_rope else tables, cfg.attention_scale,
-                             cfg.rms_eps)
-            if layer.post_attn_norm is not None:
-                out = ops.rms_norm(out, layer.post_attn_norm, cfg.rms_eps)
-            h += out  # h is this pass's own array (the embedding rows were copied out)
-            h += feed_forward(h, layer, cfg, self._activation)
+            rope = local if getattr(mixer, "local_rope", False) else tables
+            if not decode_layer.attention_half(h, halves, batch, li, rope, cfg.attention_scale, cfg.rms_eps):
+                x = ops.rms_norm(h, layer.attn_norm, cfg.rms_eps)
+                if isinstance(mixer, DeltaNetWeights):
+                    out = delta_net.mix(x, mixer, batch, li, cfg.linear_attention, cfg.rms_eps)
+                else:
+                    out = attend(x, mixer, batch, li, rope, cfg.attention_scale, cfg.rms_eps)
+                if layer.post_attn_norm is not None:
+                    out = ops.rms_norm(out, layer.post_attn_norm, cfg.rms_eps)
+                h += out
+            if not decode_layer.ffn_half(h, halves, cfg.rms_eps):
+                h += feed_forward(h, layer, cfg, self._activation)
             if layer.out_scale is not None:
                 h *= layer.out_scale
         batch.finish(ids)

@@ -9,7 +9,7 @@ sums of the quantized values as llama.cpp's q8 blocks keep them, so a centered t
 gives the same terms either way. Nibbles with FACTORED scales (Q4_K, Q3_K, Q2_K) round x per
 superblock of 256 values instead, as llama.cpp's Q8_K does: the int8 sub-block scales then multiply
 the int32 products in integers (`vpdpwssd`), and one float multiply-add a superblock replaces one a
-block (`_by_superblock`). Rows are independent, and their blocks are summed in one order whatever
+block (`by_superblock`). Rows are independent, and their blocks are summed in one order whatever
 rows share the call, so a row's result does not depend on what it is batched with.
 
 Values are read 128 at a time with 512-bit vectors, then 32 at a time with 128-bit ones past the
@@ -162,7 +162,7 @@ class _Step:
 def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
     """`out[r0 + r, o0 + j] = sum_b scale[o, b] * dx[r0 + r, b] * (q[o, b] . xq[r0 + r, b]) +
     offset[o, b] * xsum[r0 + r, b]` (o = o0 + j) for r < `rows`, j < `outs`: a tile of the result
-    (dx a superblock's, not a block's, where `_by_superblock`)."""
+    (dx a superblock's, not a block's, where `by_superblock`)."""
     @intrinsic
     def dots(typingctx, xq, q, scale, offset, supers, dx, xsum, out, o0, r0):  # noqa: ANN001, ANN202, ARG001
         def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
@@ -223,7 +223,7 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
                     add_up(acc, acc_offset)
 
             def superblocks_of(size: int) -> None:
-                """`_by_superblock` matrices (Q4_K, Q3_K, Q2_K): x has one dx a superblock, so
+                """`by_superblock` matrices (Q4_K, Q3_K, Q2_K): x has one dx a superblock, so
                 the sub-block scales multiply its int32 products in integers (`vpdpwssd`: a
                 product of 8 nibbles fits an int16), and its float factor and dx scale the sum
                 once, as llama.cpp's Q8_K products do."""
@@ -261,8 +261,8 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
                             b.store(b.call(k.fma(blocks), [m, sums[r], b.load(acc_offset[j][r])]), acc_offset[j][r])
                 add_up(acc, acc_offset)
 
-            by_superblock = _by_superblock(*(as_dtype(k.dtypes[i]) for i in (1, 2)))
-            k.by_block_size(superblocks_of if by_superblock else blocks_of, 1, 2)
+            per_superblock = by_superblock(*(as_dtype(k.dtypes[i]) for i in (1, 2)))
+            k.by_block_size(superblocks_of if per_superblock else blocks_of, 1, 2)
             for j in range(outs):
                 for r in range(rows):
                     b.store(b.load(totals[j][r]), k.at(k.row(7, r_index[r]), o_index[j]))
@@ -331,7 +331,7 @@ def _grouped_times(x, q, scale, offset, supers, nibbles, superblocks, experts, f
 @njit(parallel=True, cache=True, nogil=True)
 def _quantize(x, size, group, nibbles):  # noqa: ANN001, ANN202
     """Each `group` values of each row of x as `dx * xq`, |xq| <= 127 (NaN dx where the group is
-    not finite): `group` is the weights' block `size`, or a superblock (`_by_superblock`); and
+    not finite): `group` is the weights' block `size`, or a superblock (`by_superblock`); and
     `dx * sum(xq)` of each block of `size`. int8 weights' x is stored as xq + 128 (the unsigned
     side); nibbles' in each whole WIDE group as the low halves' values, then the high halves'.
     Rows on the kernels' threads where there are many (a prompt chunk's)."""
@@ -389,7 +389,7 @@ def _quantize_row(x, xq, dx, xsum, r, size, group, nibbles):  # noqa: ANN001, AN
         dx[r, g] = d if largest < np.uint32(0x7F800000) else np.float32(np.nan)
 
 
-def _by_superblock(values: np.dtype, scales: np.dtype) -> bool:
+def by_superblock(values: np.dtype, scales: np.dtype) -> bool:
     """Whether x is rounded a superblock at a time for a matrix of these dtypes (`_quantize`), and
     its product is `_dots`' `superblocks_of`: nibbles with FACTORED scales. int8 values keep a dx a block: their products gained nothing by superblock
     (bytes bound them, not the scaling), and IQ4_XS's would overflow `vpdpwssd`'s int16 (figures:
@@ -399,13 +399,13 @@ def _by_superblock(values: np.dtype, scales: np.dtype) -> bool:
 
 def times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray) -> np.ndarray:
     """`kernels.times` for int8 and nibble values."""
-    return _times(x, q, scale, offset, supers, q.dtype == NIBBLES, _by_superblock(q.dtype, scale.dtype))
+    return _times(x, q, scale, offset, supers, q.dtype == NIBBLES, by_superblock(q.dtype, scale.dtype))
 
 
 def grouped_times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray,
                   experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
     """`kernels.grouped_times` for int8 and nibble values."""
-    return _grouped_times(x, q, scale, offset, supers, q.dtype == NIBBLES, _by_superblock(q.dtype, scale.dtype), experts, firsts)
+    return _grouped_times(x, q, scale, offset, supers, q.dtype == NIBBLES, by_superblock(q.dtype, scale.dtype), experts, firsts)
 
 
 def prepare(q: types.Array, scales: types.Array, ids: types.Array | None = None) -> None:

@@ -74,7 +74,7 @@ def _pairwise(a, spans, sums):  # noqa: ANN001, ANN202
     return sums[0]
 
 
-@njit(cache=True, nogil=True)
+@njit(error_model="numpy", cache=True, nogil=True)
 def rms_norm(x, weight, eps, out):  # noqa: ANN001, ANN201
     """`out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight` for each row of `x` `[rows, size]`
     (`weight` empty: no weight, Gemma 4's value norm)."""

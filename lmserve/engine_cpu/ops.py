@@ -86,7 +86,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     if compiled is not None:
         rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
         out = np.empty(rows.shape, np.float32)
-        compiled(rows, _NO_WEIGHT if weight is None else weight, np.float32(eps), out)
+        compiled(rows, NO_WEIGHT if weight is None else weight, np.float32(eps), out)
         return out.reshape(x.shape)
     scale = np.add.reduce(np.square(x), axis=-1, keepdims=True)
     scale /= np.float32(x.shape[-1])
@@ -98,17 +98,17 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     return out
 
 
-_NO_WEIGHT = np.empty(0, np.float32)
+NO_WEIGHT = np.empty(0, np.float32)
 
 
 def _compiled_norm() -> Callable[..., None] | None:
     """`norm_kernel.rms_norm`, or None where Numba is not installed (macOS)."""
-    module = _compiled("norm_kernel")
+    module = compiled("norm_kernel")
     return None if module is None else module.rms_norm
 
 
 @functools.cache
-def _compiled(name: str) -> ModuleType | None:
+def compiled(name: str) -> ModuleType | None:
     """The compiled module `lmserve.engine_cpu.<name>`, or None where Numba is not installed (macOS)."""
     try:
         return importlib.import_module(f"lmserve.engine_cpu.{name}")
@@ -126,10 +126,17 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def silu_mul(gate_up: np.ndarray) -> np.ndarray:
-    """SwiGLU: silu(gate) * up for `[n, 2 * ffn]` rows of gate then up. The tanh form of the
-    sigmoid never overflows, so large negative gates raise no warnings. Computed in one buffer,
-    in the order of `gate * (tanh(gate / 2) + 1) * 0.5 * up`."""
+    """SwiGLU: silu(gate) * up for `[..., 2 * ffn]` rows of gate then up, by
+    `decode_layer_kernel.silu_mul` where Numba is (the compiled FFN half's too, so every path
+    gives a row the same bits), else in NumPy in one buffer, by the tanh form of the sigmoid,
+    which never overflows, so large negative gates raise no warnings."""
     half = gate_up.shape[-1] // 2
+    kernel = compiled("decode_layer_kernel")
+    if kernel is not None:
+        rows = np.ascontiguousarray(gate_up, np.float32).reshape(-1, 2 * half)
+        out = np.empty((len(rows), half), np.float32)
+        kernel.silu_mul(rows, out)
+        return out.reshape(*gate_up.shape[:-1], half)
     gate, up = gate_up[..., :half], gate_up[..., half:]
     out = np.multiply(gate, np.float32(0.5))
     np.tanh(out, out=out)
@@ -236,7 +243,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
         _softmax(scores, n, start, first, scale, window, sinks)
         out = scores @ values  # [kv_heads, group * n, head_dim]
     else:
-        kernels = _compiled("block_attention_kernel")
+        kernels = compiled("block_attention_kernel")
         kind, keys, values = kernels.KINDS[blocks], keys.view(np.uint8), values.view(np.uint8)
         qg = np.ascontiguousarray(qg)
         shape = (kv_heads, group * n, keys.shape[1])
@@ -254,14 +261,14 @@ def reads_blocks(query_rows: int) -> bool:
     pass's few rows, whose one use of each position's keys and values costs less than unpacking
     them into float32 for BLAS (`block_attention_kernel`; a prompt pass's hundreds of rows run
     faster in BLAS)."""
-    return query_rows <= FEW_QUERY_ROWS and _compiled("block_attention_kernel") is not None
+    return query_rows <= FEW_QUERY_ROWS and compiled("block_attention_kernel") is not None
 
 
 def attends_in_one_call(query_rows: int, positions: int) -> bool:
     """Whether `attend_rows` takes a pass of `query_rows` rows a KV head over a float32 cache
     that it reads `positions` of: a decode step's or verify pass's few rows, where Numba is."""
     return (query_rows <= FEW_QUERY_ROWS and positions <= ONE_CALL_POSITIONS
-            and _compiled("row_attention_kernel") is not None)
+            and compiled("row_attention_kernel") is not None)
 
 
 def attend_rows(qk: np.ndarray, v: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
@@ -269,12 +276,12 @@ def attend_rows(qk: np.ndarray, v: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                 out: np.ndarray) -> None:
     """`row_attention_kernel.attend_rows` (where `attends_in_one_call`): one cache's new rows
     rotated, written and attended, into `out` `[n, heads, head_dim]`."""
-    kernel = _compiled("row_attention_kernel").attend_rows
+    kernel = compiled("row_attention_kernel").attend_rows
     kernel(qk, v, cos, sin, keys, values, start, np.float32(scale), window,
-           _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32), out)
+           NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32), out)
 
 
-_NO_SINKS = np.empty(0, np.float32)
+NO_SINKS = np.empty(0, np.float32)
 
 
 class Scratch:
@@ -317,7 +324,7 @@ def _softmax(scores: np.ndarray, n: int, start: int, first: int, scale: float, w
         _numpy_softmax(scores, n, start, first, scale, window, sinks)
         return
     run = functools.partial(compiled, scores, n, start, first, np.float32(scale), window,
-                            _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32))
+                            NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32))
     rows = scores.shape[0] * scores.shape[1]
     parts = min(rows, scores.size // THREADED_SCORES)
     if parts > 1:  # asked only here: the system call cost a decode step 1% (30 layers)
@@ -340,7 +347,7 @@ def _softmax_helpers() -> ThreadPoolExecutor:
 
 def _compiled_softmax() -> Callable[..., None] | None:
     """`softmax_kernel.causal_softmax`, or None where Numba is not installed (macOS)."""
-    module = _compiled("softmax_kernel")
+    module = compiled("softmax_kernel")
     return None if module is None else module.causal_softmax
 
 

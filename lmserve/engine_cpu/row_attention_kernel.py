@@ -20,7 +20,7 @@ from numba import njit
 from lmserve.engine_cpu.softmax_kernel import _FAST, _exp
 
 
-@njit(fastmath=_FAST, cache=True, nogil=True)
+@njit(fastmath=_FAST, error_model="numpy", cache=True, nogil=True)
 def attend_rows(qk, v, cos, sin, keys, values, start, scale, window, sinks, out):  # noqa: ANN001, ANN201
     """Rows `qk` `[n, heads + kv_heads, head_dim]` (queries, then keys, before rotation) and `v`
     `[n, kv_heads, head_dim]` at positions `start..start+n-1`: their rotated keys and their values

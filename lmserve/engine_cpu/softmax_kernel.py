@@ -49,7 +49,7 @@ def _exp(x):  # noqa: ANN001, ANN202
     return (p * (r * r) + r + np.float32(1.0)) * _pow2(np.int32(k))
 
 
-@njit(fastmath=_FAST, cache=True, nogil=True)
+@njit(fastmath=_FAST, error_model="numpy", cache=True, nogil=True)
 def causal_softmax(scores, n, start, first, scale, window, sinks, lo, hi):  # noqa: ANN001, ANN201
     """In place: rows `lo:hi` (counted over both leading axes) of `scores` `[kv_heads, group * n,
     seen]` (query head `h * group + g`'s row `g * n + i`, query i at position `start + i`; column c
