@@ -78,7 +78,7 @@ def prepare(halves: list[CompiledHalves]) -> None:
             norm, gate_up, down = half.ffn
             signatures.add((kernel.ffn_half, _types(rows, norm, np.float32(0), gate_up, down)))
     matrix = np.empty((1, 2), np.float32)
-    signatures.add((kernel.silu_mul, _types(matrix, matrix)))  # `ops.silu_mul`'s for a decode step
+    signatures.add((kernel.silu_mul, _types(matrix, matrix)))  # `ops.silu_mul`'s, for every pass
     for function, signature in signatures:
         function.compile(signature)
 

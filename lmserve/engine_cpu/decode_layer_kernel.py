@@ -9,8 +9,8 @@ Python costs more than the arithmetic between the products (figures: docs/PERFOR
 measurements behind code choices). A product's matrix is a tuple of parts, each its
 `int8_kernels._times` arguments `(q, scale, offset, supers, nibbles, superblocks)`: one part for a
 `QuantMatrix`, one a part for a `MatrixStack` (Q4_K_M's Q/K/V: Q4_K and Q6_K). The products, norms
-and attention are the same compiled functions the Python path calls (`ops.silu_mul` too, for a
-decode step's rows), in the same order, so a row gets the same bits either way.
+and attention are the same compiled functions the Python path calls (SwiGLU too: `ops.silu_mul`
+runs this module's `silu_mul`), in the same order, so a row gets the same bits either way.
 """
 
 from __future__ import annotations
