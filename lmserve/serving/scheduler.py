@@ -4,7 +4,7 @@ Connection handlers submit jobs; the worker thread admits them up to `max_batch`
 decodes all running sequences together, one engine step per token. A job arriving while a batch
 runs is prefilled in chunks of `prefill_chunk` tokens, one chunk between two decode steps, so a
 long prompt never stalls the running streams for more than one chunk; it joins the batch once
-its prompt is in the cache. A cancelled job (client gone) is dropped from the queue at once and
+its prompt is in the cache. With no stream decoding, chunks are at least LONE_PREFILL_CHUNK. A cancelled job (client gone) is dropped from the queue at once and
 from the batch at the next step or chunk, giving back its slot.
 
 A hybrid model's cache (recurrent layers, `engine/checkpoints.py`) is checkpointed where a later
@@ -51,6 +51,9 @@ log = logging.getLogger("lmserve.scheduler")
 
 
 PREFILL_CHUNK = 256  # prompt tokens prefilled between two decode steps (0: the whole prompt at once)
+# Prompt tokens a loop turn while no stream decodes: no one's tokens wait on the chunk, and the
+# NumPy engine's 512-row passes ran prompts faster (`CPUEngine._pass_rows`, docs/PERFORMANCE.md).
+LONE_PREFILL_CHUNK = 512
 
 
 class QueueFull(Exception):
@@ -282,7 +285,7 @@ class Scheduler:
         first token, and the sequence joins the decoding batch."""
         seq = self._prefilling[0]
         prompt = seq.job.prompt_ids
-        end = len(prompt) if not self.prefill_chunk else min(len(prompt), seq.fed + self.prefill_chunk)
+        end = len(prompt) if not self.prefill_chunk else min(len(prompt), seq.fed + self._chunk_size())
         if self.checkpoints:
             end = self._checkpointed_end(seq, end)
         try:
@@ -300,6 +303,11 @@ class Scheduler:
             if self._prefilling and self._prefilling[0] is seq:
                 self._prefilling.popleft()
             self._fail(seq, exc)
+
+    def _chunk_size(self) -> int:
+        """`prefill_chunk` while streams decode (it bounds how long their next token waits), at
+        least LONE_PREFILL_CHUNK while none does."""
+        return self.prefill_chunk if self._active else max(self.prefill_chunk, LONE_PREFILL_CHUNK)
 
     def _checkpointed_end(self, seq: _Sequence, end: int) -> int:
         """A hybrid prompt's chunk ends where a checkpoint is wanted: at the end of the history
