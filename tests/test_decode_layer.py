@@ -26,16 +26,19 @@ def engine(path: object, kv_type: str = "f32") -> CPUEngine:
     return CPUEngine(gguf, ModelConfig.from_gguf(gguf), kv_type=kv_type, tune_threads=False)
 
 
-@pytest.mark.parametrize(("family", "attention", "ffn"), [
-    ("llama3", True, True), ("mistral", True, True),
-    ("qwen2", False, True),  # QKV biases
-    ("qwen3moe", True, False),  # q/k norms are fine; experts are not a dense FFN
-    ("gemma3", False, False)])  # post-norms; GeGLU
+@pytest.mark.parametrize(("family", "attention", "ffn", "moe"), [
+    ("llama3", True, True, False), ("mistral", True, True, False),
+    ("qwen2", False, True, False),  # QKV biases
+    ("qwen3moe", True, False, True),  # q/k norms are fine; its experts run the compiled MoE half
+    ("gpt-oss", False, False, False),  # biases
+    ("qwen35moe", False, False, False),  # a shared expert; gated attention
+    ("gemma3", False, False, False)])  # post-norms; GeGLU
 @pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])  # Q4_K_M: Q/K/V a stack of Q4_K and Q6_K in some layers
-def test_plain_halves_are_the_compiled_ones(family: str, attention: bool, ffn: bool, quant: str) -> None:
+def test_plain_halves_are_the_compiled_ones(family: str, attention: bool, ffn: bool, moe: bool, quant: str) -> None:
     halves = engine(Fixture(family, quant).path)._halves
     assert [h.attention is not None for h in halves] == [attention] * len(halves)
     assert [h.ffn is not None for h in halves] == [ffn] * len(halves)
+    assert any(h.moe is not None for h in halves) == moe
 
 
 MODELS = {"SmolLM2, f32 KV": (default_model_path(), "f32"), "SmolLM2, q8_0 KV": (default_model_path(), "q8_0"),
@@ -47,7 +50,7 @@ MODELS = {"SmolLM2, f32 KV": (default_model_path(), "f32"), "SmolLM2, q8_0 KV": 
 def test_compiled_halves_give_the_python_paths_logits(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A q8_0 cache keeps the attention half in Python; qwen3moe's FFN half is its experts'."""
     e = engine(*MODELS[model])
-    assert any(h.attention is not None or h.ffn is not None for h in e._halves)
+    assert any(h.attention is not None or h.ffn is not None or h.moe is not None for h in e._halves)
     vocab = e.config.vocab_size
     prompts = [[(7 * i) % vocab for i in range(40, 90)], [(11 * i) % vocab for i in range(300, 370)]]
 

@@ -3,8 +3,9 @@ their arguments made once at load, and when a pass can take them.
 
 A plain half qualifies: attention with no biases, no value norm, no output gate and no norm after
 it (Llama, Mistral, SmolLM2, Qwen3 with its q/k norms; sliding windows and sinks are fine), a dense
-SwiGLU FFN with no norm after it; each of its matrices (or each part of a stack of them, as Q4_K_M's
-Q/K/V) kept on the int8 kernels. A pass takes the attention half when
+SwiGLU FFN with no norm after it, or a plain SwiGLU mixture of experts (`moe_kernel.moe_half`,
+Qwen3 MoE); each of its matrices (or each part of a stack of them, as Q4_K_M's Q/K/V) kept on the
+int8 kernels. A pass takes the attention half when
 it extends one float32 cache by a few rows (a one-stream decode step or verify pass, where
 `ops.attends_in_one_call`), the FFN half for any decode-sized pass (KERNEL_ROWS rows). Anything
 else runs the Python path, which gives each row the same values up to float32 rounding.
@@ -18,8 +19,10 @@ import numpy as np
 
 from lmserve.engine_cpu import ops
 from lmserve.engine_cpu.batch import Batch
-from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, NIBBLES, Matrix, MatrixStack, QuantMatrix
-from lmserve.engine_cpu.weights import AttentionWeights, LayerWeights
+from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, NIBBLES, ExpertStack, Matrix, MatrixStack, QuantMatrix
+from lmserve.engine_cpu.weights import AttentionWeights, Experts, LayerWeights
+from lmserve.model.config import ModelConfig
+from lmserve.model.families import ROUTE_TOPK_SOFTMAX, SILU
 
 Product = tuple  # a matrix's parts, each as `int8_kernels._times` takes it: (q, scale, offset, supers, nibbles, superblocks)
 
@@ -30,16 +33,18 @@ class CompiledHalves:
 
     attention: tuple[np.ndarray, Product, Product, tuple[int, int, int], np.ndarray, np.ndarray, int, np.ndarray] | None
     ffn: tuple[np.ndarray, Product, Product] | None
+    moe: tuple[np.ndarray, np.ndarray, bool, int, Product, Product] | None = None  # `moe_kernel.moe_half`'s
 
 
 NONE = CompiledHalves(None, None)
 
 
-def compiled_halves(layer: LayerWeights, silu: bool) -> CompiledHalves:
-    """The layer's halves that qualify (`silu`: the model's FFN activation is SwiGLU)."""
+def compiled_halves(layer: LayerWeights, config: ModelConfig) -> CompiledHalves:
+    """The layer's halves that qualify."""
     kernel = ops.compiled("decode_layer_kernel")
     if kernel is None:
         return NONE
+    silu = config.activation == SILU
     a = layer.mixer
     attention = None
     if (isinstance(a, AttentionWeights) and layer.post_attn_norm is None
@@ -56,14 +61,30 @@ def compiled_halves(layer: LayerWeights, silu: bool) -> CompiledHalves:
         gate_up, down = _product(layer.gate_up), _product(layer.down)
         if gate_up is not None and down is not None:
             ffn = (layer.ffn_norm, gate_up, down)
-    return CompiledHalves(attention, ffn)
+    return CompiledHalves(attention, ffn, _moe_half(layer, config) if silu else None)
+
+
+def _moe_half(layer: LayerWeights, config: ModelConfig) -> tuple | None:
+    """`moe_kernel.moe_half`'s arguments for a plain MoE FFN (no dense FFN beside it, no biases,
+    norms of its own, router scales or shared expert; a float32 router; expert stacks on the int8
+    kernels), else None."""
+    m = layer.experts
+    if (m is None or layer.gate_up is not None or layer.post_ffn_norm is not None or m.shared is not None
+            or any(part is not None for part in (m.router_bias, m.gate_up_bias, m.down_bias, m.router_scale,
+                                                 m.expert_scale, m.norm, m.post_norm))
+            or not (isinstance(m.router, np.ndarray) and m.router.dtype == np.float32)):
+        return None
+    gate_up, down = _expert_product(m.gate_up), _expert_product(m.down)
+    if gate_up is None or down is None:
+        return None
+    return (layer.ffn_norm, m.router, config.router == ROUTE_TOPK_SOFTMAX, config.n_experts_used, gate_up, down)
 
 
 def prepare(halves: list[CompiledHalves]) -> None:
     """Compile the halves for the argument types these layers pass (or load them from Numba's
     cache) without running them: compiled lazily, the first decode step after an install waited
     seconds for them."""
-    kernel = ops.compiled("decode_layer_kernel")
+    kernel, moe = ops.compiled("decode_layer_kernel"), ops.compiled("moe_kernel")
     if kernel is None:
         return
     rows, table = np.empty((1, 1), np.float32), np.empty((1, 1, 2), np.float32)  # as a pass's: C-ordered
@@ -77,6 +98,11 @@ def prepare(halves: list[CompiledHalves]) -> None:
         if half.ffn is not None:
             norm, gate_up, down = half.ffn
             signatures.add((kernel.ffn_half, _types(rows, norm, np.float32(0), gate_up, down)))
+        if half.moe is not None:
+            norm, router, topk_softmax, k, gate_up, down = half.moe
+            signatures.add((moe.moe_half, _types(rows, norm, np.float32(0), router, topk_softmax, k, gate_up, down)))
+            signatures.add((moe.router_logits, _types(rows, router, rows)))
+            signatures.add((moe.route, _types(rows, topk_softmax, np.empty((1, 1), np.int64), rows)))
     matrix = np.empty((1, 2), np.float32)
     signatures.add((kernel.silu_mul, _types(matrix, matrix)))  # `ops.silu_mul`'s, for every pass
     for function, signature in signatures:
@@ -101,6 +127,17 @@ def _product(matrix: Matrix) -> Product | None:
     return tuple((*p.arrays, p.q.dtype == NIBBLES, int8_kernels.by_superblock(p.q.dtype, p.scale.dtype)) for p in parts)
 
 
+def _expert_product(experts: Experts) -> Product | None:
+    """An expert stack as `int8_kernels._grouped_times`' matrix arguments, or None where it does
+    not run there."""
+    from lmserve.engine_cpu import int8_kernels
+
+    if not (isinstance(experts, ExpertStack) and int8_kernels.takes(experts.whole.q.dtype)):
+        return None
+    whole = experts.whole
+    return (*experts.cubes, whole.q.dtype == NIBBLES, int8_kernels.by_superblock(whole.q.dtype, whole.scale.dtype))
+
+
 def attention_half(h: np.ndarray, halves: CompiledHalves, batch: Batch, layer: int,
                    rope: tuple[np.ndarray, np.ndarray], scale: float, eps: float) -> bool:
     """`h += ` the attention half, compiled, where the pass takes it; False (nothing done) where not."""
@@ -119,8 +156,12 @@ def attention_half(h: np.ndarray, halves: CompiledHalves, batch: Batch, layer: i
 
 def ffn_half(h: np.ndarray, halves: CompiledHalves, eps: float) -> bool:
     """`h += ` the FFN half, compiled, where the pass takes it; False (nothing done) where not."""
-    if halves.ffn is None or len(h) > KERNEL_ROWS:
+    if (halves.ffn is None and halves.moe is None) or len(h) > KERNEL_ROWS:
         return False
+    if halves.moe is not None:
+        norm, router, topk_softmax, k, gate_up, down = halves.moe
+        ops.compiled("moe_kernel").moe_half(h, norm, np.float32(eps), router, topk_softmax, k, gate_up, down)
+        return True
     norm, gate_up, down = halves.ffn
     ops.compiled("decode_layer_kernel").ffn_half(h, norm, np.float32(eps), gate_up, down)
     return True

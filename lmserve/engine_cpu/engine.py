@@ -40,7 +40,6 @@ from lmserve.engine_cpu.qmatrix import KERNEL_ROWS
 from lmserve.engine_cpu.threads import ThreadTuner, blas_threads
 from lmserve.engine_cpu.weights import DeltaNetWeights, kept_forms, load_weights, stacked_forms
 from lmserve.model.config import ModelConfig
-from lmserve.model.families import SILU
 from lmserve.model.gguf_file import GGUFFile
 
 FORWARD_CHUNK = 512  # prompt tokens a forward pass at most (`_pass_rows`)
@@ -93,8 +92,7 @@ class CPUEngine(Engine[CPUCache]):
                 blas(most if wide else 1)
 
             self._threads = ThreadTuner(most, apply, KERNEL_ROWS, trials=tune_threads)
-            silu = config.activation == SILU
-            self._halves = [decode_layer.compiled_halves(layer, silu) for layer in self.weights.layers]
+            self._halves = [decode_layer.compiled_halves(layer, config) for layer in self.weights.layers]
             decode_layer.prepare(self._halves)
         self.device = f"numpy, {kind} ({len(os.sched_getaffinity(0))} cpus)"
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from lmserve.engine_cpu import ops
-from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, ExpertStack
+from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, ExpertStack, Matrix
 from lmserve.engine_cpu.weights import Experts, ExpertWeights
 from lmserve.model.families import ROUTE_TOPK_SOFTMAX
 
@@ -29,16 +29,10 @@ def mixture(x: np.ndarray, residual: np.ndarray, m: ExpertWeights, k: int, route
         routed = ops.rms_norm(residual, m.router_scale, eps) * np.float32(residual.shape[-1] ** -0.5)
     else:
         routed = x
-    logits = ops.linear(routed, m.router)
+    logits = _router_logits(routed, m.router)
     if m.router_bias is not None:
         logits += m.router_bias
-    chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :k]  # [n, k]
-    picked = np.arange(len(chosen))[:, None], chosen  # indexes [n, k] (take_along_axis cost 7x more)
-    if router == ROUTE_TOPK_SOFTMAX:  # gpt-oss: softmax over the k chosen logits
-        weights = ops.softmax(logits[picked])
-    else:  # softmax over every expert, keep the chosen, renormalize
-        weights = ops.softmax(logits)[picked]
-        weights /= weights.sum(axis=-1, keepdims=True)
+    chosen, weights = _route(logits, k, router == ROUTE_TOPK_SOFTMAX)
     if m.expert_scale is not None:
         weights *= m.expert_scale[chosen]
     out = _experts(x, m, chosen, weights, activation)
@@ -46,6 +40,36 @@ def mixture(x: np.ndarray, residual: np.ndarray, m: ExpertWeights, k: int, route
         shared = ops.gated_ffn(x, m.shared.gate_up, m.shared.down, activation)
         out += shared * ops.sigmoid(x @ m.shared.gate)[:, None]
     return out
+
+
+def _router_logits(x: np.ndarray, router: Matrix) -> np.ndarray:
+    """The router's logits `[n, experts]`: a decode step's rows of a float32 router by
+    `moe_kernel.router_logits`, which the compiled MoE half runs too (the same bits), others as
+    any product."""
+    kernel = ops.compiled("moe_kernel")
+    if kernel is None or len(x) > KERNEL_ROWS or not (isinstance(router, np.ndarray) and router.dtype == np.float32):
+        return ops.linear(x, router)
+    out = np.empty((len(x), len(router)), np.float32)
+    kernel.router_logits(np.ascontiguousarray(x, np.float32), router, out)
+    return out
+
+
+def _route(logits: np.ndarray, k: int, topk_softmax: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's k chosen experts `[n, k]` (highest logit first) and their weights: the softmax
+    over every expert, kept for the chosen and renormalized, or (`topk_softmax`, gpt-oss) over the
+    k chosen logits. By `moe_kernel.route` where Numba is (the compiled MoE half's too), else NumPy."""
+    kernel = ops.compiled("moe_kernel")
+    if kernel is not None:
+        chosen, weights = np.empty((len(logits), k), np.int64), np.empty((len(logits), k), np.float32)
+        kernel.route(np.ascontiguousarray(logits, np.float32), topk_softmax, chosen, weights)
+        return chosen, weights
+    chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :k]  # [n, k]
+    picked = np.arange(len(chosen))[:, None], chosen  # indexes [n, k] (take_along_axis cost 7x more)
+    if topk_softmax:
+        return chosen, ops.softmax(logits[picked])
+    weights = ops.softmax(logits)[picked]
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return chosen, weights
 
 
 def _experts(x: np.ndarray, m: ExpertWeights, chosen: np.ndarray, weights: np.ndarray,

@@ -195,10 +195,10 @@ class ExpertStack:
         take (at most an expert's `kernel_rows` rows each)."""
         from lmserve.engine_cpu import kernels
 
-        return kernels.grouped_times(np.ascontiguousarray(x, dtype=np.float32), *self._cubes, experts, firsts)
+        return kernels.grouped_times(np.ascontiguousarray(x, dtype=np.float32), *self.cubes, experts, firsts)
 
     @functools.cached_property
-    def _cubes(self) -> tuple[np.ndarray, ...]:
+    def cubes(self) -> tuple[np.ndarray, ...]:
         """The arrays as `[experts, rows_each, ...]` views, in the kernels' argument order."""
         shape = (self.experts, self.rows_each, -1)
         return tuple(part.reshape(shape) for part in self.whole.arrays)

@@ -1,0 +1,39 @@
+"""The compiled MoE routing (`moe_kernel.route`, `router_logits`) against the NumPy forms it
+replaced where Numba is: the same experts chosen (ties to the lower index, as a stable argsort)
+and the same weights to float32 rounding."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from lmserve.engine_cpu import moe, ops
+
+pytestmark = [pytest.mark.fast,
+              pytest.mark.skipif(sys.platform == "darwin", reason="numba is not installed on macOS (MLX serves)")]
+
+
+@pytest.mark.parametrize("topk_softmax", [False, True])
+@pytest.mark.parametrize(("rows", "experts", "k"), [(1, 8, 2), (4, 32, 4), (300, 128, 8)])
+def test_the_compiled_route_picks_the_numpy_forms_experts_and_weights(rows: int, experts: int, k: int,
+                                                                      topk_softmax: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(rows)
+    logits = rng.standard_normal((rows, experts)).astype(np.float32) * 3
+    logits[:, 1] = logits[:, 0]  # a tie in every row: the lower index goes first
+    chosen, weights = moe._route(logits, k, topk_softmax)
+    monkeypatch.setattr(ops, "compiled", lambda _name: None)
+    want_chosen, want_weights = moe._route(logits, k, topk_softmax)
+    np.testing.assert_array_equal(chosen, want_chosen)
+    np.testing.assert_allclose(weights, want_weights, rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-6)
+
+
+def test_a_decode_steps_router_logits_are_the_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(0)
+    x, router = rng.standard_normal((3, 1024)).astype(np.float32), rng.standard_normal((32, 1024)).astype(np.float32)
+    got = moe._router_logits(x, router)
+    monkeypatch.setattr(ops, "compiled", lambda _name: None)
+    np.testing.assert_allclose(got, moe._router_logits(x, router), rtol=1e-4, atol=1e-4)
