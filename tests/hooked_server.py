@@ -94,7 +94,7 @@ def install(hooks: Hooks) -> None:
     if hooks.drafts_always_pay:
         from lmserve.serving.speculate import PassCosts
 
-        PassCosts.pays = lambda self, drafters, drafts: True
+        PassCosts.pays = lambda self, drafters, drafts, positions=0: True
     if hooks.available_memory is not None:
         import psutil
 

@@ -67,7 +67,7 @@ class DraftsAlwaysPay(speculate.PassCosts):
     """The cost gate pinned open: whether a draft is verified then depends on the drafter alone,
     not on how long this machine's passes took, so counts of accepted tokens are repeatable."""
 
-    def pays(self, drafters, drafts) -> bool:
+    def pays(self, drafters, drafts, positions=0) -> bool:
         return True
 
 
@@ -193,11 +193,30 @@ def test_a_draft_is_verified_only_when_its_expected_gain_pays_for_the_pass() -> 
     assert costs.pays([lookup, None], [draft, []]) is None  # a batch of 2 is another shape
 
 
+def test_a_long_context_learns_its_own_pass_costs() -> None:
+    """Costs learned near the start of a reply do not decide at 15,000 cached positions, where a
+    verify pass over a quantized cache costs many more decode steps."""
+    costs = speculate.PassCosts()
+    lookup = PromptLookup(list(range(40)))
+    lookup.extend([0, 1, 2])
+    draft = lookup.draft(3)
+    costs.record(1, 1, 0.004, positions=200)
+    costs.record(1, 4, 0.006, positions=200)
+    assert costs.pays([lookup], [draft], positions=200) is True
+    assert costs.pays([lookup], [draft], positions=15000) is None  # a decode step there is timed first
+    costs.record(1, 1, 0.036, positions=15000)
+    assert costs.pays([lookup], [draft], positions=15000) is True  # its verify pass not yet tried
+    costs.record(1, 4, 0.250, positions=15000)  # 7 decode steps' time for at most 4 tokens
+    assert costs.pays([lookup], [draft], positions=15000) is False
+    assert costs.pays([lookup], [draft], positions=16000) is False  # the same power of two
+    assert costs.pays([lookup], [draft], positions=250) is True  # 128-255: the short costs
+
+
 def test_drafts_that_never_pay_leave_the_reply_as_without_speculation(smollm2, monkeypatch) -> None:
     model, engine = smollm2
     request = chat(EDIT, max_tokens=60)
     (plain,), _ = generate(model, engine, "off", [request])
-    monkeypatch.setattr(speculate.PassCosts, "pays", lambda self, drafters, drafts: False)
+    monkeypatch.setattr(speculate.PassCosts, "pays", lambda self, drafters, drafts, positions=0: False)
     (gated,), _ = generate(model, engine, "ngram", [request], measured_gate=True)
     assert text_of(gated) == text_of(plain)
     assert finished(gated).usage.drafted == 0  # every draft was held back, none verified

@@ -322,6 +322,7 @@ class Scheduler:
         """One engine pass for every running sequence: a verify pass when any has a draft (the
         others take part with their one token), else a decode step."""
         caches = [s.cache for s in self._active]
+        positions = max(c.length for c in caches)  # before the pass: what `_drafts` judged it by
         tokens = [s.last_token for s in self._active]
         drafts = self._drafts()
         verify = any(drafts)
@@ -356,7 +357,7 @@ class Scheduler:
                 still.append(seq)
         self._active = still
         # A verify pass costs its rollbacks too (a hybrid cache recomputes the positions it keeps).
-        self.pass_costs.record(len(caches), width, seconds + self._rollback_seconds)
+        self.pass_costs.record(len(caches), width, seconds + self._rollback_seconds, positions)
         self._rollback_seconds = 0.0
 
     def _drafts(self) -> list[list[int]]:
@@ -376,7 +377,8 @@ class Scheduler:
                 log.exception("drafting failed: the sequence goes on without drafts")
                 seq.drafter = None
                 drafts.append([])
-        pays = self.pass_costs.pays([s.drafter for s in self._active], drafts) if any(drafts) else True
+        positions = max(s.cache.length for s in self._active)
+        pays = self.pass_costs.pays([s.drafter for s in self._active], drafts, positions) if any(drafts) else True
         if pays:
             return drafts
         if pays is False:  # measured not worth the pass: those drafting pause (None: a step is timed first)

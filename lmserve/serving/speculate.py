@@ -17,9 +17,9 @@ Drafters (`--speculate`):
 A verify pass costs more than a decode step (on the NumPy engine up to a few single-row steps, on
 a GPU little more than one), so drafting is kept to where it pays.
 `PassCosts` learns, as the server runs, what each shape of pass costs on this engine (decode steps
-by batch size, verify passes by batch size and width), and a step is a verify pass only when the
-tokens its drafts are expected to gain (each sequence's recent average) make it yield more tokens
-a second than a decode step. A sequence whose draft gains nothing, or is not worth its pass,
+by batch size, verify passes by batch size and width, both by context length), and a step is a
+verify pass only when the tokens its drafts are expected to gain (each sequence's recent average)
+make it yield more tokens a second than a decode step. A sequence whose draft gains nothing, or is not worth its pass,
 pauses drafting for `PAUSE` tokens, twice as long each time that happens again (at most
 `MAX_PAUSE`), and an accepted draft resets the pause: a reply with nothing to copy pays for a few
 probes, not for a draft every step. After a pause a sequence's next draft is tried whatever its
@@ -116,22 +116,28 @@ class Drafter:
 
 
 class PassCosts:
-    """Seconds each shape of engine pass takes here (moving averages by batch size and width:
-    1 for a decode step), and whether a verify pass pays."""
+    """Seconds each shape of engine pass takes here (moving averages by batch size, width (1 for
+    a decode step) and context: the power of two of the most positions a cache of the pass holds),
+    and whether a verify pass pays. Context is part of the shape: at 15,000 cached positions on a
+    q8_0 cache, a verify pass cost far more decode steps than near the start, and costs learned on
+    short prompts had a long agent prompt's reply verify drafts at 8.8 tok/s where decode steps
+    alone made 27.9 (figures: docs/PERFORMANCE.md)."""
 
     def __init__(self) -> None:
-        self._seconds: dict[tuple[int, int], float] = {}
+        self._seconds: dict[tuple[int, int, int], float] = {}
 
-    def record(self, batch: int, width: int, seconds: float) -> None:
-        old = self._seconds.get((batch, width))
-        self._seconds[batch, width] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
+    def record(self, batch: int, width: int, seconds: float, positions: int = 0) -> None:
+        key = (batch, width, positions.bit_length())
+        old = self._seconds.get(key)
+        self._seconds[key] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
 
-    def pays(self, drafters: Sequence[Drafter | None], drafts: Sequence[Sequence[int]]) -> bool | None:
+    def pays(self, drafters: Sequence[Drafter | None], drafts: Sequence[Sequence[int]], positions: int = 0) -> bool | None:
         """Whether verifying these drafts yields more tokens a second than a decode step, by the
         drafts' expected gains; True for a shape not yet measured (it is tried), None while a
-        decode step of this batch has not been measured."""
-        batch, width = len(drafts), 1 + max(map(len, drafts))
-        decode, verify = self._seconds.get((batch, 1)), self._seconds.get((batch, width))
+        decode step of this batch and context has not been measured. `positions`: the most any
+        of the caches holds."""
+        batch, width, context = len(drafts), 1 + max(map(len, drafts)), positions.bit_length()
+        decode, verify = self._seconds.get((batch, 1, context)), self._seconds.get((batch, width, context))
         if decode is None:
             return None
         if verify is None:
