@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.fast,
 CASES = {"one decode row": (1, 70, 0, False, 64, 64), "verify pass": (4, 300, 0, False, 64, 64),
          "partial rotary": (1, 90, 0, False, 128, 32), "sliding window": (2, 200, 48, False, 64, 64),
          "sinks": (1, 120, 0, True, 64, 64), "window and sinks": (3, 150, 32, True, 128, 64),
-         "first position": (1, 0, 0, False, 64, 64)}
+         "first position": (1, 0, 0, False, 64, 64),
+         "heads on threads": (2, 700, 0, False, 64, 64), "heads on threads, window and sinks": (3, 500, 100, True, 64, 64)}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -50,6 +51,15 @@ def test_rows_are_written_and_attended_as_in_float64(case: str) -> None:
     np.testing.assert_array_equal(values[:, start + n:], untouched[1])
     want = reference(rotated[:, :heads], keys[:, :start + n], values[:, :start + n], start, 0.125, window, sinks)
     np.testing.assert_allclose(out.reshape(n, -1), want, rtol=1e-5, atol=2e-6)
+
+
+def test_long_contexts_are_cases_of_their_own() -> None:
+    """Past PARALLEL_SCORES a pass's heads run on the kernels' threads: the cases cover both sides."""
+    from lmserve.engine_cpu.row_attention_kernel import PARALLEL_SCORES
+
+    scores = {case: (n + start) * 8 for case, (n, start, *_) in CASES.items()}
+    assert min(scores.values()) < PARALLEL_SCORES <= scores["heads on threads"]
+    assert scores["heads on threads, window and sinks"] >= PARALLEL_SCORES
 
 
 def test_long_passes_and_wide_ones_stay_on_numpy() -> None:

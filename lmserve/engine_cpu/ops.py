@@ -45,9 +45,10 @@ FEW_QUERY_ROWS = 16
 SMALL_PRODUCT = 1 << 16
 # A decode step's (or verify pass's) attention over a float32 cache runs as one compiled call a
 # cache (`row_attention_kernel`: the rope, the cache writes, scores, softmax and mix) while it reads
-# at most this many positions; past them NumPy's threaded products are as fast (figures:
-# docs/PERFORMANCE.md, measurements behind code choices).
-ONE_CALL_POSITIONS = 4096
+# at most this many positions: with its heads on the kernels' threads it was as fast as NumPy's
+# threaded products or faster at every context measured, up to this one (figures:
+# docs/PERFORMANCE.md, a decode step's attention on threads).
+ONE_CALL_POSITIONS = 32768
 # A softmax over at least this many scores (a prompt pass's, about a millisecond of work a part) is
 # split between the CPUs, a range of rows on each (`_softmax`; figures: docs/PERFORMANCE.md,
 # measurements behind code choices).

@@ -8,16 +8,22 @@ reshapes), each a microsecond or more of Python and dispatch around a few thousa
 third of SmolLM2's decode step was that, not arithmetic (figures: docs/PERFORMANCE.md, measurements
 behind code choices). Here a row's scores are dot products along the head dimension, which Numba
 vectorizes with reassociated sums; the softmax is `softmax_kernel`'s (its `_exp`, the division by
-the sum). It runs on the calling thread: at a decode step's few hundred positions a thread launch
-costs more than it splits (`ops.ATTENDED_IN_ONE_CALL` bounds the positions a pass may read here).
+the sum). The (row, query head) pairs run on the calling thread up to PARALLEL_SCORES scores, where
+a thread launch costs more than it splits, and on the kernels' threads past them (`ops.ONE_CALL_POSITIONS`
+bounds the positions a pass may read here).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from lmserve.engine_cpu.softmax_kernel import _FAST, _exp
+
+# Scores (positions times query heads) from which a pass's heads run on the kernels' threads: below,
+# a short context's, the launch cost about what the split saved (figures: docs/PERFORMANCE.md, a
+# decode step's attention on threads).
+PARALLEL_SCORES = 1024
 
 
 @njit(fastmath=_FAST, error_model="numpy", cache=True, nogil=True)
@@ -32,7 +38,6 @@ def attend_rows(qk, v, cos, sin, keys, values, start, scale, window, sinks, out)
     n, qk_heads, head_dim = qk.shape
     kv_heads = keys.shape[0]
     heads = qk_heads - kv_heads
-    group = heads // kv_heads
     rotary = cos.shape[-1]
     half = rotary // 2
     q = np.empty((n, heads, head_dim), np.float32)
@@ -50,29 +55,56 @@ def attend_rows(qk, v, cos, sin, keys, values, start, scale, window, sinks, out)
                 target[d] = source[d]
         for h in range(kv_heads):
             values[h, at] = v[r, h]
+    if (start + n) * heads < PARALLEL_SCORES:  # a short context's: a thread launch costs more
+        attend_serial(q, keys, values, start, scale, window, sinks, out)
+    else:
+        attend_threaded(q, keys, values, start, scale, window, sinks, out)
+
+
+@njit(fastmath=_FAST, error_model="numpy", cache=True, nogil=True)
+def attend_serial(q, keys, values, start, scale, window, sinks, out):  # noqa: ANN001, ANN201
+    """`out` `[n, heads, head_dim]`: each rotated query `q` (at `start + r`) over the cache's
+    `keys` and `values` it sees, (row, query head) after another on the calling thread."""
+    n, heads, head_dim = q.shape
     weights = np.empty(start + n, np.float32)
     mixed = np.empty(head_dim, np.float32)
-    for r in range(n):
-        at = start + r
-        begin = max(0, at - window + 1) if window else 0
-        count = at + 1 - begin
-        for h in range(heads):
-            kv = h // group
-            _scores(q[r, h], keys[kv, begin:at + 1], scale, weights)
-            peak = np.float32(-np.inf)
-            for j in range(count):
-                peak = max(peak, weights[j])
-            sink = sinks[h] if len(sinks) else np.float32(-np.inf)
-            peak = max(peak, sink)
-            total = _exp(sink - peak) if len(sinks) else np.float32(0.0)
-            for j in range(count):
-                e = _exp(weights[j] - peak)
-                weights[j] = e
-                total += e
-            for j in range(count):
-                weights[j] /= total
-            _mix(weights, values[kv, begin:at + 1], mixed)
-            out[r, h] = mixed
+    for t in range(n * heads):
+        _attend_one(q, keys, values, start, scale, window, sinks, t // heads, t % heads, weights, mixed, out)
+
+
+@njit(fastmath=_FAST, error_model="numpy", parallel=True, cache=True, nogil=True)
+def attend_threaded(q, keys, values, start, scale, window, sinks, out):  # noqa: ANN001, ANN201
+    """`attend_serial`, each (row, query head) on the kernels' threads."""
+    n, heads, head_dim = q.shape
+    for t in prange(n * heads):
+        weights = np.empty(start + n, np.float32)
+        mixed = np.empty(head_dim, np.float32)
+        _attend_one(q, keys, values, start, scale, window, sinks, t // heads, t % heads, weights, mixed, out)
+
+
+@njit(fastmath=_FAST, error_model="numpy", nogil=True)
+def _attend_one(q, keys, values, start, scale, window, sinks, r, h, weights, mixed, out):  # noqa: ANN001, ANN202
+    """`out[r, h]`: query head h of row r (at position `start + r`) over the keys it sees, with
+    `weights` and `mixed` as scratch."""
+    at = start + r
+    begin = max(0, at - window + 1) if window else 0
+    count = at + 1 - begin
+    kv = h // (q.shape[1] // keys.shape[0])
+    _scores(q[r, h], keys[kv, begin:at + 1], scale, weights)
+    peak = np.float32(-np.inf)
+    for j in range(count):
+        peak = max(peak, weights[j])
+    sink = sinks[h] if len(sinks) else np.float32(-np.inf)
+    peak = max(peak, sink)
+    total = _exp(sink - peak) if len(sinks) else np.float32(0.0)
+    for j in range(count):
+        e = _exp(weights[j] - peak)
+        weights[j] = e
+        total += e
+    for j in range(count):
+        weights[j] /= total
+    _mix(weights, values[kv, begin:at + 1], mixed)
+    out[r, h] = mixed
 
 
 @njit(fastmath=_FAST, inline="always", nogil=True)
