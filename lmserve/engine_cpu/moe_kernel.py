@@ -82,8 +82,9 @@ def moe_half(h, norm, eps, router, topk_softmax, k, gate_up, down):  # noqa: ANN
     chosen = np.empty((n, k), np.int64)
     weights = np.empty((n, k), np.float32)
     route(logits, topk_softmax, chosen, weights)
-    order = np.argsort(chosen.ravel(), kind="mergesort")  # (row, slot) pairs grouped by expert
-    experts = chosen.ravel()[order]
+    pairs, pair_weights = chosen.ravel(), weights.ravel()  # (row, slot) pairs, row-major
+    order = np.argsort(pairs, kind="mergesort")  # the pairs grouped by expert
+    experts = pairs[order]
     bounds = [0]
     for i in range(1, len(experts)):
         if experts[i] != experts[i - 1]:
@@ -99,7 +100,7 @@ def moe_half(h, norm, eps, router, topk_softmax, k, gate_up, down):  # noqa: ANN
     silu_mul(both, hidden)
     y = _grouped_times(hidden, *down, groups, firsts)
     for i in range(len(order)):
-        y[i] *= weights.ravel()[order[i]]
+        y[i] *= pair_weights[order[i]]
     out = np.zeros_like(h)
     for i in range(len(order)):  # each row's outputs in the experts' order, added in turn
         out[order[i] // k] += y[i]

@@ -4,8 +4,9 @@ Connection handlers submit jobs; the worker thread admits them up to `max_batch`
 decodes all running sequences together, one engine step per token. A job arriving while a batch
 runs is prefilled in chunks of `prefill_chunk` tokens, one chunk between two decode steps, so a
 long prompt never stalls the running streams for more than one chunk; it joins the batch once
-its prompt is in the cache. With no stream decoding, chunks are at least LONE_PREFILL_CHUNK. A cancelled job (client gone) is dropped from the queue at once and
-from the batch at the next step or chunk, giving back its slot.
+its prompt is in the cache. With no stream decoding, chunks are at least LONE_PREFILL_CHUNK. A
+cancelled job (client gone) is dropped from the queue at once and from the batch at the next step
+or chunk, giving back its slot.
 
 A hybrid model's cache (recurrent layers, `engine/checkpoints.py`) is checkpointed where a later
 request may want to resume: after every prefill chunk, where the history ends (before the
