@@ -53,6 +53,15 @@ def test_version_flag():
     assert result.returncode == 0 and result.stdout.startswith("lmserve ")
 
 
+def test_help_prints_every_flag():
+    """`--help` prints the usage and each flag's text, a percent sign in one included."""
+    result = run_cli("--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: lmserve-mac")
+    text = " ".join(result.stdout.split())  # argparse wraps the texts
+    assert "--cpu-dots" in text and "within about 1% of" in text
+
+
 def test_flag_ranges_are_checked_before_the_model_is_looked_for(tmp_path: Path):
     """A bad value is named even when the model does not exist: nothing was resolved or loaded."""
     missing = str(tmp_path / "nope.gguf")

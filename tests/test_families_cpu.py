@@ -191,11 +191,12 @@ def test_refuses_weights_that_do_not_fit(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_weight_bytes_count_float32_and_the_kept_quants() -> None:
     """Float32 is 4 bytes a parameter; kept Q4_K matrices are packed nibbles (0.59 bytes with their
-    scales), Q6_K int8 (1.16), the rest (norms) float32."""
+    scales), Q6_K six bits (0.91), the rest (norms) float32: 0.645 a parameter in all (0.677 with
+    Q6_K as int8)."""
     gguf = GGUFFile(Fixture("gemma3", "Q4_K_M").path)
     config = ModelConfig.from_gguf(gguf)
     assert weights_module.weight_bytes(gguf, config, quantized=False) == 4 * config.n_params
-    assert 0.59 * config.n_params < weights_module.weight_bytes(gguf, config, quantized=True) < 1.16 * config.n_params
+    assert 0.59 * config.n_params < weights_module.weight_bytes(gguf, config, quantized=True) < 0.65 * config.n_params
 
 
 def test_loads_when_the_weights_fit_exactly() -> None:

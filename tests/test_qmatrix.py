@@ -198,6 +198,16 @@ def test_types_of_at_most_four_bits_take_half_a_byte_a_value() -> None:
     for qtype in (T.Q4_0, T.Q4_1, T.Q4_K, T.Q3_K, T.Q2_K):
         matrix, _ = encoded_matrix(qtype, 8, 256)
         assert matrix.q.nbytes == 8 * 256 // 2
+
+
+def test_five_and_six_bit_k_quants_take_three_quarters_of_a_byte_a_value() -> None:
+    """Q5_K and Q6_K keep six bits a value, not a byte: Q6_K (Q4_K_M's V and down projections)
+    within 11% of the file's bytes with its scales."""
+    for qtype in (T.Q5_K, T.Q6_K):
+        matrix, _ = encoded_matrix(qtype, 8, 512)
+        assert matrix.q.nbytes == 8 * 512 * 3 // 4
+    block, type_size = GGML_QUANT_SIZES[T.Q6_K]
+    assert encoded_matrix(T.Q6_K, 8, 512)[0].nbytes <= 1.11 * (8 * 512 // block * type_size)
     assert encoded_matrix(T.F16, 8, 256)[0].q.nbytes == 8 * 256 * 2
 
 

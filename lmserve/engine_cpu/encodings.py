@@ -7,7 +7,9 @@ keeps the file's own values in the fewest bytes the kernels can read (`qmatrix.E
   nibbles, 0.5 byte a value plus a float32 scale and offset per block (32; 16 for Q2_K/Q3_K).
   Centered levels are shifted up: Q4_0's `d*(q-8)` becomes `d*q - 8*d`, exact in float32 (a
   float16 times a 4-bit integer, and times 8), Q3_K's `s*(q-4)` likewise.
-- every other type `quant_blocks` unpacks (5-, 6- and 8-bit, the IQ4 and MXFP4 tables): int8.
+- the 5- and 6-bit K-quants (Q5_K, Q6_K): six bits, 0.75 byte a value (`qmatrix.SIXBITS`), Q6_K's
+  `s*(q-32)` shifted up as Q3_K's is.
+- every other type `quant_blocks` unpacks (Q5_0, Q5_1, Q8_0, the IQ4 and MXFP4 tables): int8.
 - F16 and BF16: their own 2-byte values (scale 1, offset 0 per 32).
 
 Scales and offsets (`qmatrix.SCALE_FORMS`): the K-quants' and IQ4_XS's as int8 multiples of a
@@ -33,13 +35,17 @@ from lmserve.engine_cpu.qmatrix import (
     HALF_SCALES,
     INT8,
     NIBBLES,
+    SIXBIT_BYTES,
+    SIXBIT_GROUP,
+    SIXBITS,
     SUPERBLOCK,
 )
 from lmserve.engine_cpu.quant_blocks import FACTORED_TYPES, SUPPORTED, unpack_factored
 
 _T = GGMLQuantizationType
-# Types packed as nibbles -> the level their unpacked int8 values are centered on.
+# Types packed as nibbles, or in six bits -> the level their unpacked int8 values are centered on.
 PACKED_ZERO = {_T.Q4_0: 8, _T.Q4_1: 0, _T.Q4_K: 0, _T.Q3_K: 4, _T.Q2_K: 0}
+SIXBIT_ZERO = {_T.Q5_K: 0, _T.Q6_K: 32}
 _FLOATS = {_T.F16: HALF, _T.BF16: BFLOAT}
 FLOAT_BLOCK = 32  # F16/BF16: values per (unit) scale, the kernels' block
 
@@ -57,7 +63,8 @@ class Encoding:
     @property
     def bytes_per_value(self) -> float:
         supers = 2 * 4 / SUPERBLOCK if self.scales == FACTORED else 0.0
-        return self.dtype.itemsize / ENCODINGS[self.dtype] + 2 * self.scales.itemsize / self.block + supers
+        values, elements = ENCODINGS[self.dtype]
+        return self.dtype.itemsize * elements / values + 2 * self.scales.itemsize / self.block + supers
 
 
 def encoding_of(qtype: GGMLQuantizationType, columns: int) -> Encoding | None:
@@ -67,7 +74,8 @@ def encoding_of(qtype: GGMLQuantizationType, columns: int) -> Encoding | None:
     if qtype not in SUPPORTED:
         return None
     scales = FACTORED if qtype in FACTORED_TYPES else FLOAT if qtype == _T.MXFP4 else HALF_SCALES
-    return Encoding(NIBBLES if qtype in PACKED_ZERO else INT8, SUPPORTED[qtype], scales)
+    values = NIBBLES if qtype in PACKED_ZERO else SIXBITS if qtype in SIXBIT_ZERO else INT8
+    return Encoding(values, SUPPORTED[qtype], scales)
 
 
 def encode(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> Parts:
@@ -78,21 +86,40 @@ def encode(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> Parts
         blocks = (len(rows), columns // FLOAT_BLOCK)
         return q, _halves(np.ones(blocks, np.float32)), _halves(np.zeros(blocks, np.float32)), _no_supers(len(rows))
     q, scale, offset, supers = unpack_factored(rows, qtype, columns)
-    zero = PACKED_ZERO.get(qtype, 0)
-    if zero and supers is not None:  # Q3_K: `s*(q-4)` = `s*q - 4*s`, the offset's factor -4 times the scale's
+    zero = PACKED_ZERO.get(qtype, SIXBIT_ZERO.get(qtype, 0))
+    if zero and supers is not None:  # Q3_K, Q6_K: `s*(q-4)` = `s*q - 4*s`, the offset's factor -4 times the scale's
         offset = scale
         supers[:, 1::2] = np.float32(-zero) * supers[:, 0::2]
     elif zero:  # Q4_0
         offset = offset - np.float32(zero) * scale
-    if qtype in PACKED_ZERO:
-        levels = q.view(np.uint8) + np.uint8(zero)  # 0..15 (uint8 arithmetic wraps -8..-1 right)
-        pairs = levels.reshape(len(q), -1, 2, 16)  # each block of 32: values 0-15, then 16-31
-        q = (pairs[:, :, 0] | (pairs[:, :, 1] << np.uint8(4))).reshape(len(q), -1)
+    if qtype in PACKED_ZERO or qtype in SIXBIT_ZERO:
+        levels = q.view(np.uint8) + np.uint8(zero)  # 0..15 or 0..63 (uint8 arithmetic wraps -8..-1 right)
+        q = _nibbles(levels) if qtype in PACKED_ZERO else _sixbits(levels)
     if supers is not None:
         return q, scale, offset, supers
     if encoding_of(qtype, columns).scales == HALF_SCALES:
         scale, offset = _halves(scale), _halves(offset)
     return q, scale, offset, _no_supers(len(q))
+
+
+def _nibbles(levels: np.ndarray) -> np.ndarray:
+    """Values 0..15 `[n, columns]` as `qmatrix.NIBBLES`: each block of 32's values 0-15 in the low
+    halves of its 16 bytes, 16-31 in the high ones."""
+    pairs = levels.reshape(len(levels), -1, 2, 16)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << np.uint8(4))).reshape(len(levels), -1)
+
+
+def _sixbits(levels: np.ndarray) -> np.ndarray:
+    """Values 0..63 `[n, columns]` (columns whole groups of 128) as `qmatrix.SIXBITS`."""
+    n = len(levels)
+    groups = levels.reshape(n, -1, SIXBIT_GROUP)
+    nibbles = _nibbles(groups.reshape(-1, SIXBIT_GROUP) & np.uint8(0x0F)).reshape(n, -1, 64)
+    high = (groups >> np.uint8(4)).reshape(n, -1, 4, 2, 16)  # [block of 32, its half, value]
+    low_lanes, high_lanes = (high[:, :, :, half].reshape(n, -1, 64) for half in (0, 1))  # lane c*16 + t
+    tops = (low_lanes[..., :32] | low_lanes[..., 32:] << np.uint8(2)
+            | high_lanes[..., :32] << np.uint8(4) | high_lanes[..., 32:] << np.uint8(6))
+    packed = np.concatenate([nibbles, tops], axis=-1).reshape(n, groups.shape[1] * SIXBIT_BYTES)
+    return np.ascontiguousarray(packed).view(SIXBITS)
 
 
 def _halves(values: np.ndarray) -> np.ndarray:

@@ -6,17 +6,18 @@ activations). These quantize each row of x to int8 per weight block first (`dx *
 then multiply the weights' integers with it in int32: AVX-512 VNNI's `vpdpbusd` does 64 byte
 products an instruction. A block's term is `scale * dx * (q . xq) + offset * dx * sum(xq)`, the
 sums of the quantized values as llama.cpp's q8 blocks keep them, so a centered type's `d*(q-8)`
-gives the same terms either way. Nibbles with FACTORED scales (Q4_K, Q3_K, Q2_K) round x per
-superblock of 256 values instead, as llama.cpp's Q8_K does: the int8 sub-block scales then multiply
-the int32 products in integers (`vpdpwssd`), and one float multiply-add a superblock replaces one a
-block (`by_superblock`). Rows are independent, and their blocks are summed in one order whatever
+gives the same terms either way. Nibbles and six-bit values with FACTORED scales (Q4_K, Q3_K, Q2_K;
+Q5_K, Q6_K) round x per superblock of 256 values instead, as llama.cpp's Q8_K does: the int8
+sub-block scales then multiply the int32 products in integers (`vpdpwssd`), and one float
+multiply-add a superblock replaces one a block (`by_superblock`). Rows are independent, and their blocks are summed in one order whatever
 rows share the call, so a row's result does not depend on what it is batched with.
 
 Values are read 128 at a time with 512-bit vectors, then 32 at a time with 128-bit ones past the
-last whole 128. `vpdpbusd` multiplies unsigned bytes with signed ones: nibbles (0..15) are the
-unsigned side against xq; int8 weights are the signed side against xq + 128, less 128 times their
-own sum (one more `vpdpbusd`, against ones). For nibbles, x is stored in the order the nibbles'
-low and high halves split a 128-value group (`_quantize`).
+last whole 128. `vpdpbusd` multiplies unsigned bytes with signed ones: nibbles (0..15) and six-bit
+values (0..63, a nibble and its 2 high bits put together) are the unsigned side against xq; int8
+weights are the signed side against xq + 128, less 128 times their own sum (one more `vpdpbusd`,
+against ones). For both packed forms, x is stored in the order the nibbles' low and high halves
+split a 128-value group (`_quantize`).
 
 Only where the CPU has AVX-512 VNNI (`available`); elsewhere the float kernels run.
 """
@@ -35,8 +36,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.numpy_support import as_dtype
 
+from lmserve.engine_cpu import qmatrix
 from lmserve.engine_cpu.kernel_ir import F32, I8, I16, I32, I64, OUTS, Builder
-from lmserve.engine_cpu.qmatrix import FACTORED, INT8, NIBBLES, SUPERBLOCK
+from lmserve.engine_cpu.qmatrix import FACTORED, INT8, NIBBLES, SIXBITS, SUPERBLOCK
 from lmserve.model.gguf_file import ModelLoadError
 
 WIDE, NARROW = 128, 32  # values a step: 512-bit vectors, then 128-bit ones past the last whole WIDE
@@ -77,7 +79,13 @@ def choose(dots: str) -> None:
 
 def takes(values: np.dtype) -> bool:
     """Whether a matrix whose values have this dtype runs here (int8 and nibbles, on a VNNI CPU)."""
-    return ENABLED and values in (INT8, NIBBLES)
+    return ENABLED and values in (INT8, NIBBLES, SIXBITS)
+
+
+def packed(values: np.dtype) -> bool:
+    """Whether a matrix's values are unsigned in the nibbles' lane order (NIBBLES, SIXBITS), so
+    `_quantize` stores x signed and in that order."""
+    return values in (NIBBLES, SIXBITS)
 
 
 def wide_rows(values: np.dtype, columns: int) -> int:
@@ -89,7 +97,7 @@ def wide_rows(values: np.dtype, columns: int) -> int:
     choices)."""
     if not takes(values) or columns % WIDE:
         return 0
-    return sys.maxsize if values == NIBBLES else INT8_WIDE_ROWS
+    return sys.maxsize if packed(values) else INT8_WIDE_ROWS
 
 
 def _vector(element: ir.Type, count: int) -> ir.VectorType:
@@ -97,10 +105,12 @@ def _vector(element: ir.Type, count: int) -> ir.VectorType:
 
 
 class _Step:
-    """One step's IR: `width` values of a matrix row against int8 x rows, block size `size`."""
+    """One step's IR: `width` values of a matrix row against int8 x rows, block size `size`.
+    `nibbles`: the row's values are unsigned and in the nibbles' lane order (NIBBLES, SIXBITS:
+    `sixbits` too), not int8."""
 
-    def __init__(self, k: Builder, width: int, size: int, nibbles: bool) -> None:
-        self.k, self.b, self.width, self.size, self.nibbles = k, k.b, width, size, nibbles
+    def __init__(self, k: Builder, width: int, size: int, nibbles: bool, sixbits: bool = False) -> None:
+        self.k, self.b, self.width, self.size, self.nibbles, self.sixbits = k, k.b, width, size, nibbles, sixbits
         self.bytes = width // 2  # bytes a vector: a 512-bit one for WIDE, 128-bit for NARROW
         self.lanes = self.bytes // 4  # int32 lanes a vector
         self.blocks = width // size
@@ -120,11 +130,35 @@ class _Step:
     def weights(self, qrow: ir.Value, first: ir.Value) -> list[ir.Value]:
         """The row's two byte vectors from value `first` on: low and high nibbles, or two int8 halves."""
         b, vector = self.b, _vector(I8, self.bytes)
+        if self.sixbits:
+            return self._sixbit_weights(qrow, first)
         if self.nibbles:
             packed = self.k.load_vector(qrow, b.lshr(first, ir.Constant(I64, 1)), vector)
             return [b.and_(packed, ir.Constant(vector, [0x0F] * self.bytes)),
                     b.lshr(packed, ir.Constant(vector, [4] * self.bytes))]
         return [self.k.load_vector(qrow, b.add(first, ir.Constant(I64, p * self.bytes)), vector) for p in (0, 1)]
+
+    def _sixbit_weights(self, qrow: ir.Value, first: ir.Value) -> list[ir.Value]:
+        """A SIXBITS group's two 64-byte vectors (`first` a WIDE group's start): its nibbles, each
+        with its 2 high bits from the 32 bytes past them (`qmatrix.SIXBITS`)."""
+        b, vector, half = self.b, _vector(I8, self.bytes), _vector(I8, self.bytes // 2)
+        at = b.mul(b.udiv(first, ir.Constant(I64, qmatrix.SIXBIT_GROUP)), ir.Constant(I64, qmatrix.SIXBIT_BYTES))
+        data = b.bitcast(qrow, I8.as_pointer())
+        packed = self.k.load_vector(data, at, vector)
+        tops = self.k.load_vector(data, b.add(at, ir.Constant(I64, self.bytes)), half)
+
+        def bits(shifted: ir.Value) -> ir.Value:
+            return b.and_(shifted, ir.Constant(half, [0x30] * (self.bytes // 2)))
+
+        def by(amount: int) -> ir.Constant:
+            return ir.Constant(half, [amount] * (self.bytes // 2))
+
+        both = ir.Constant(_vector(I32, self.bytes), list(range(self.bytes)))
+        low_tops = b.shuffle_vector(bits(b.shl(tops, by(4))), bits(b.shl(tops, by(2))), both)
+        high_tops = b.shuffle_vector(bits(tops), bits(b.lshr(tops, by(2))), both)
+        low = b.and_(packed, ir.Constant(vector, [0x0F] * self.bytes))
+        high = b.lshr(packed, ir.Constant(vector, [4] * self.bytes))
+        return [b.or_(low, low_tops), b.or_(high, high_tops)]
 
     def weight_sums(self, weights: list[ir.Value]) -> list[ir.Value] | None:
         """int8 weights: 128 times their sums per lane, to take off the products with x + 128."""
@@ -175,7 +209,8 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
             qrows = [k.row(1, o) for o in o_index]
             sources = [[k.row(arg, o) for arg in (2, 3, 4)] for o in o_index]
             xrows, dxrows, sumrows = ([k.row(arg, r) for r in r_index] for arg in (0, 5, 6))
-            nibbles = k.dtypes[1] == types.uint8
+            sixbits = k.dtypes[1] == types.uint32
+            nibbles = k.dtypes[1] == types.uint8 or sixbits
             values = k.columns(0)
             wide = b.udiv(values, ir.Constant(I64, WIDE))
             narrow = b.udiv(b.sub(values, b.mul(wide, ir.Constant(I64, WIDE))), ir.Constant(I64, NARROW))
@@ -223,11 +258,12 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
                     add_up(acc, acc_offset)
 
             def superblocks_of(size: int) -> None:
-                """`by_superblock` matrices (Q4_K, Q3_K, Q2_K): x has one dx a superblock, so
-                the sub-block scales multiply its int32 products in integers (`vpdpwssd`: a
-                product of 8 nibbles fits an int16), and its float factor and dx scale the sum
-                once, as llama.cpp's Q8_K products do."""
-                step = _Step(k, WIDE, size, nibbles)
+                """`by_superblock` matrices (Q4_K, Q3_K, Q2_K, Q5_K, Q6_K): x has one dx a
+                superblock, so the sub-block scales multiply its int32 products in integers
+                (`vpdpwssd`: a lane's product of 8 nibbles, 8 values of Q5_K's 0..31 or 4 of
+                Q6_K's 0..63 with |xq| <= 127 fits an int16), and its float factor and dx scale
+                the sum once, as llama.cpp's Q8_K products do."""
+                step = _Step(k, WIDE, size, nibbles, sixbits)
                 per = SUPERBLOCK // size
                 lanes, lanes_i, blocks = _vector(F32, step.lanes), _vector(I32, step.lanes), _vector(F32, per)
                 acc, acc_offset = accumulators(step.lanes), accumulators(per)
@@ -391,21 +427,21 @@ def _quantize_row(x, xq, dx, xsum, r, size, group, nibbles):  # noqa: ANN001, AN
 
 def by_superblock(values: np.dtype, scales: np.dtype) -> bool:
     """Whether x is rounded a superblock at a time for a matrix of these dtypes (`_quantize`), and
-    its product is `_dots`' `superblocks_of`: nibbles with FACTORED scales. int8 values keep a dx a block: their products gained nothing by superblock
-    (bytes bound them, not the scaling), and IQ4_XS's would overflow `vpdpwssd`'s int16 (figures:
+    its product is `_dots`' `superblocks_of`: nibbles and six-bit values with FACTORED scales.
+    int8 values keep a dx a block: IQ4_XS's (up to 127) would overflow `vpdpwssd`'s int16 (figures:
     docs/PERFORMANCE.md, measurements behind code choices)."""
-    return values == NIBBLES and scales == FACTORED
+    return packed(values) and scales == FACTORED
 
 
 def times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray) -> np.ndarray:
     """`kernels.times` for int8 and nibble values."""
-    return _times(x, q, scale, offset, supers, q.dtype == NIBBLES, by_superblock(q.dtype, scale.dtype))
+    return _times(x, q, scale, offset, supers, packed(q.dtype), by_superblock(q.dtype, scale.dtype))
 
 
 def grouped_times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray,
                   experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
     """`kernels.grouped_times` for int8 and nibble values."""
-    return _grouped_times(x, q, scale, offset, supers, q.dtype == NIBBLES, by_superblock(q.dtype, scale.dtype), experts, firsts)
+    return _grouped_times(x, q, scale, offset, supers, packed(q.dtype), by_superblock(q.dtype, scale.dtype), experts, firsts)
 
 
 def prepare(q: types.Array, scales: types.Array, ids: types.Array | None = None) -> None:

@@ -9,7 +9,7 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 
-from lmserve.engine_cpu.qmatrix import SUPERBLOCK
+from lmserve.engine_cpu.qmatrix import SIXBIT_BYTES, SIXBIT_GROUP, SUPERBLOCK
 
 LANES = 16  # float32 values per vector: one AVX-512 register, two AVX2 ones, four NEON ones
 F32, I8, I32, I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
@@ -46,6 +46,8 @@ class Builder:
         size = self.b.udiv(self.columns(values), self.columns(scales))
         if self.dtypes[values] == types.uint8:  # two values a byte
             size = self.b.shl(size, ir.Constant(I64, 1))
+        elif self.dtypes[values] == types.uint32:  # SIXBITS: 16 values in 3 words
+            size = self.b.udiv(self.b.shl(size, ir.Constant(I64, 4)), ir.Constant(I64, 3))
         with self.b.if_else(self.b.icmp_unsigned("==", size, ir.Constant(I64, BLOCK_SIZES[0]))) as (first, other):
             with first:
                 emit(BLOCK_SIZES[0])
@@ -75,6 +77,8 @@ class Builder:
         """The `size` values of argument `q`'s row `qrow` from value `first` on (a block's
         start), as float32 vectors of LANES values, decoded as the argument's dtype says."""
         b, dtype = self.b, self.dtypes[q]
+        if dtype == types.uint32:
+            return self._sixbit_values(qrow, first, size)
         if dtype == types.uint8:  # 16 bytes hold 32 values: the low nibbles, then the high ones
             group = b.and_(first, ir.Constant(I64, -NIBBLE_GROUP))
             packed = self.load_vector(qrow, b.lshr(group, ir.Constant(I64, 1)), VQ)
@@ -96,6 +100,32 @@ class Builder:
                 wide = b.zext(self.load_vector(qrow, at, VH), VI32)
                 vectors.append(b.bitcast(b.shl(wide, ir.Constant(VI32, [16] * LANES)), VF))
         return vectors
+
+    def _sixbit_values(self, qrow: ir.Value, first: ir.Value, size: int) -> list[ir.Value]:
+        """`block_values` of a SIXBITS row: block c (of 32) of a group is its 16 bytes of nibbles
+        and, for the high bits, 16 bytes of the 32 past them at (c % 2) * 16, shifted by 2 * (c // 2)
+        for the low nibbles' values and 4 more for the high ones'."""
+        b = self.b
+        data = b.bitcast(qrow, I8.as_pointer())
+        group, within = (b.udiv(first, ir.Constant(I64, SIXBIT_GROUP)), b.urem(first, ir.Constant(I64, SIXBIT_GROUP)))
+        chunk = b.udiv(within, ir.Constant(I64, NIBBLE_GROUP))
+        base = b.mul(group, ir.Constant(I64, SIXBIT_BYTES))
+        packed = self.load_vector(data, b.add(base, b.mul(chunk, ir.Constant(I64, 16))), VQ)
+        tops_at = b.add(base, ir.Constant(I64, 64))
+        tops = self.load_vector(data, b.add(tops_at, b.mul(b.and_(chunk, ir.Constant(I64, 1)), ir.Constant(I64, 16))), VQ)
+        shift = b.trunc(b.shl(b.lshr(chunk, ir.Constant(I64, 1)), ir.Constant(I64, 1)), I8)
+        three, fifteen = ir.Constant(VQ, [3] * LANES), ir.Constant(VQ, [0x0F] * LANES)
+
+        def values(nibbles: ir.Value, top_shift: ir.Value) -> ir.Value:
+            tops_of = b.and_(b.lshr(tops, self.splat(top_shift)), three)
+            return b.uitofp(b.or_(nibbles, b.shl(tops_of, ir.Constant(VQ, [4] * LANES))), VF)
+
+        low = values(b.and_(packed, fifteen), shift)
+        high = values(b.lshr(packed, ir.Constant(VQ, [4] * LANES)), b.add(shift, ir.Constant(I8, 4)))
+        if size == NIBBLE_GROUP:
+            return [low, high]
+        second = b.icmp_unsigned("!=", b.urem(within, ir.Constant(I64, NIBBLE_GROUP)), ir.Constant(I64, 0))
+        return [b.select(second, high, low)]
 
     def splat(self, value: ir.Value, width: int = LANES) -> ir.Value:
         vector = ir.VectorType(value.type, width)

@@ -3,7 +3,8 @@
 Every value is `scale * q + offset` of its block, the value the file's own dequantizer gives, so
 the model is the file's, not a re-quantization of it; only the products' rounding differs from
 float32 BLAS. How `q` holds the values is its dtype (`ENCODINGS`): 4-bit types as packed nibbles
-(half a byte a value), other quants as int8, float16 and bfloat16 as their own bits. How the
+(half a byte a value), 5- and 6-bit K-quants in six bits (three quarters of a byte), other quants
+as int8, float16 and bfloat16 as their own bits. How the
 scales and offsets are held is theirs (`SCALE_FORMS`), each the fewest bytes that give the
 file's float32 scale exactly. Decode-sized products (up to KERNEL_ROWS rows) run the compiled
 kernels, which read the values where they lie (0.59-2.1 bytes a value instead of float32's 4);
@@ -33,12 +34,31 @@ TILE_VALUES = 1 << 22
 # BLAS products around them (figures: docs/PERFORMANCE.md, measurements behind code choices).
 WIDE_VALUES = 1 << 20
 
-# `q`'s dtype -> values a element holds; the kernels decode each dtype their own way.
+# `q`'s dtype -> (values, elements): how many values that many elements hold; the kernels decode
+# each dtype their own way.
 INT8 = np.dtype(np.int8)  # one value a byte
 NIBBLES = np.dtype(np.uint8)  # two: value i of a block of 32 in the low half, value i + 16 in the high
+# Values of 0-63 (5- and 6-bit K-quants), 128 in 24 words: their low 4 bits as NIBBLES' 64 bytes,
+# then 32 bytes of the high 2 bits. Low-nibble lane j (0-63) of the 64 bytes has its high bits in
+# bits 0-1 of high byte j (j < 32) or bits 2-3 of byte j - 32; high-nibble lane j in bits 4-5 or
+# 6-7: a 32-byte vector of them then makes both 64-lane halves (`int8_kernels`).
+SIXBITS = np.dtype(np.uint32)
+SIXBIT_GROUP, SIXBIT_BYTES = 128, 96  # values in a group, and its bytes (64 of nibbles, 32 of highs)
 HALF = np.dtype(np.int16)  # float16 bits
 BFLOAT = np.dtype(np.uint16)  # bfloat16 bits
-ENCODINGS = {INT8: 1, NIBBLES: 2, HALF: 1, BFLOAT: 1}
+ENCODINGS = {INT8: (1, 1), NIBBLES: (2, 1), SIXBITS: (16, 3), HALF: (1, 1), BFLOAT: (1, 1)}
+
+
+def elements(dtype: np.dtype, columns: int) -> int:
+    """The elements of `dtype` a row of `columns` values takes."""
+    values, count = ENCODINGS[dtype]
+    return columns * count // values
+
+
+def values_in(dtype: np.dtype, count: int) -> int:
+    """The values `count` elements of `dtype` hold."""
+    values, elements_ = ENCODINGS[dtype]
+    return count * values // elements_
 
 # `scale`'s (and `offset`'s) dtype -> their form; the kernels read each their own way.
 FLOAT = np.dtype(np.float32)  # the values
@@ -52,7 +72,7 @@ SCALE_FORMS = (FLOAT, HALF_SCALES, FACTORED)
 
 @dataclass(frozen=True)
 class QuantMatrix:
-    """`[out, in]` weights: `q` `[out, in // ENCODINGS[q.dtype]]`, `scale` and `offset`
+    """`[out, in]` weights: `q` `[out, elements(q.dtype, in)]`, `scale` and `offset`
     `[out, in // block]` in one of SCALE_FORMS, and for FACTORED ones `supers` float32
     `[out, 2 * in // SUPERBLOCK]`, each superblock's scale factor then its offset factor
     (`[out, 0]` for the other forms)."""
@@ -65,7 +85,7 @@ class QuantMatrix:
     @classmethod
     def empty(cls, rows: int, columns: int, block: int, dtype: np.dtype = INT8, scales: np.dtype = FLOAT) -> QuantMatrix:
         blocks, supers = columns // block, 2 * columns // SUPERBLOCK if scales == FACTORED else 0
-        return cls(np.empty((rows, columns // ENCODINGS[dtype]), dtype), np.empty((rows, blocks), scales),
+        return cls(np.empty((rows, elements(dtype, columns)), dtype), np.empty((rows, blocks), scales),
                    np.empty((rows, blocks), scales), np.empty((rows, supers), np.float32))
 
     @property
@@ -75,7 +95,7 @@ class QuantMatrix:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return len(self.q), self.q.shape[1] * ENCODINGS[self.q.dtype]
+        return len(self.q), values_in(self.q.dtype, self.q.shape[1])
 
     @property
     def block(self) -> int:
