@@ -195,7 +195,8 @@ def test_kept_bytes_are_what_the_encoding_says(qtype: GGMLQuantizationType) -> N
 
 
 def test_types_of_at_most_four_bits_take_half_a_byte_a_value() -> None:
-    for qtype in (T.Q4_0, T.Q4_1, T.Q4_K, T.Q3_K, T.Q2_K):
+    """The non-linear ones too (IQ4_NL, IQ4_XS, MXFP4: their levels' indices)."""
+    for qtype in (T.Q4_0, T.Q4_1, T.Q4_K, T.Q3_K, T.Q2_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4):
         matrix, _ = encoded_matrix(qtype, 8, 256)
         assert matrix.q.nbytes == 8 * 256 // 2
 

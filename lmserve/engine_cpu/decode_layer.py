@@ -24,7 +24,7 @@ from lmserve.engine_cpu.weights import AttentionWeights, Experts, LayerWeights
 from lmserve.model.config import ModelConfig
 from lmserve.model.families import ROUTE_TOPK_SOFTMAX, SILU
 
-Product = tuple  # a matrix's parts, each as `int8_kernels._times` takes it: (q, scale, offset, supers, nibbles, superblocks)
+Product = tuple  # a matrix's parts, each as `int8_kernels._times` takes it: (q, scale, offset, supers, layout, superblocks)
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def _product(matrix: Matrix) -> Product | None:
     parts = matrix.parts if isinstance(matrix, MatrixStack) else (matrix,)
     if not all(isinstance(p, QuantMatrix) and int8_kernels.takes(p.q.dtype) for p in parts):
         return None
-    return tuple((*p.arrays, int8_kernels.packed(p.q.dtype), int8_kernels.by_superblock(p.q.dtype, p.scale.dtype))
+    return tuple((*p.arrays, int8_kernels.x_layout(p.q.dtype), int8_kernels.by_superblock(p.q.dtype, p.scale.dtype))
                  for p in parts)
 
 
@@ -136,7 +136,7 @@ def _expert_product(experts: Experts) -> Product | None:
     if not (isinstance(experts, ExpertStack) and int8_kernels.takes(experts.whole.q.dtype)):
         return None
     whole = experts.whole
-    return (*experts.cubes, int8_kernels.packed(whole.q.dtype), int8_kernels.by_superblock(whole.q.dtype, whole.scale.dtype))
+    return (*experts.cubes, int8_kernels.x_layout(whole.q.dtype), int8_kernels.by_superblock(whole.q.dtype, whole.scale.dtype))
 
 
 def attention_half(h: np.ndarray, halves: CompiledHalves, batch: Batch, layer: int,

@@ -9,7 +9,9 @@ keeps the file's own values in the fewest bytes the kernels can read (`qmatrix.E
   float16 times a 4-bit integer, and times 8), Q3_K's `s*(q-4)` likewise.
 - the 5- and 6-bit K-quants (Q5_K, Q6_K): six bits, 0.75 byte a value (`qmatrix.SIXBITS`), Q6_K's
   `s*(q-32)` shifted up as Q3_K's is.
-- every other type `quant_blocks` unpacks (Q5_0, Q5_1, Q8_0, the IQ4 and MXFP4 tables): int8.
+- the non-linear 4-bit types (IQ4_NL, IQ4_XS, MXFP4): packed nibbles too, each the index of its
+  level in the type's table (`qmatrix.TABLES`).
+- every other type `quant_blocks` unpacks (Q5_0, Q5_1, Q8_0): int8.
 - F16 and BF16: their own 2-byte values (scale 1, offset 0 per 32).
 
 Scales and offsets (`qmatrix.SCALE_FORMS`): the K-quants' and IQ4_XS's as int8 multiples of a
@@ -34,11 +36,14 @@ from lmserve.engine_cpu.qmatrix import (
     HALF,
     HALF_SCALES,
     INT8,
+    IQ4_LEVELS,
+    MXFP4_LEVELS,
     NIBBLES,
     SIXBIT_BYTES,
     SIXBIT_GROUP,
     SIXBITS,
     SUPERBLOCK,
+    TABLES,
 )
 from lmserve.engine_cpu.quant_blocks import FACTORED_TYPES, SUPPORTED, unpack_factored
 
@@ -46,6 +51,7 @@ _T = GGMLQuantizationType
 # Types packed as nibbles, or in six bits -> the level their unpacked int8 values are centered on.
 PACKED_ZERO = {_T.Q4_0: 8, _T.Q4_1: 0, _T.Q4_K: 0, _T.Q3_K: 4, _T.Q2_K: 0}
 SIXBIT_ZERO = {_T.Q5_K: 0, _T.Q6_K: 32}
+LEVELS = {_T.IQ4_NL: IQ4_LEVELS, _T.IQ4_XS: IQ4_LEVELS, _T.MXFP4: MXFP4_LEVELS}  # -> the nibbles' dtype
 _FLOATS = {_T.F16: HALF, _T.BF16: BFLOAT}
 FLOAT_BLOCK = 32  # F16/BF16: values per (unit) scale, the kernels' block
 
@@ -74,7 +80,7 @@ def encoding_of(qtype: GGMLQuantizationType, columns: int) -> Encoding | None:
     if qtype not in SUPPORTED:
         return None
     scales = FACTORED if qtype in FACTORED_TYPES else FLOAT if qtype == _T.MXFP4 else HALF_SCALES
-    values = NIBBLES if qtype in PACKED_ZERO else SIXBITS if qtype in SIXBIT_ZERO else INT8
+    values = NIBBLES if qtype in PACKED_ZERO else SIXBITS if qtype in SIXBIT_ZERO else LEVELS.get(qtype, INT8)
     return Encoding(values, SUPPORTED[qtype], scales)
 
 
@@ -95,6 +101,8 @@ def encode(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> Parts
     if qtype in PACKED_ZERO or qtype in SIXBIT_ZERO:
         levels = q.view(np.uint8) + np.uint8(zero)  # 0..15 or 0..63 (uint8 arithmetic wraps -8..-1 right)
         q = _nibbles(levels) if qtype in PACKED_ZERO else _sixbits(levels)
+    elif qtype in LEVELS:
+        q = _nibbles(_indices(q, TABLES[LEVELS[qtype]])).view(LEVELS[qtype])
     if supers is not None:
         return q, scale, offset, supers
     if encoding_of(qtype, columns).scales == HALF_SCALES:
@@ -107,6 +115,13 @@ def _nibbles(levels: np.ndarray) -> np.ndarray:
     halves of its 16 bytes, 16-31 in the high ones."""
     pairs = levels.reshape(len(levels), -1, 2, 16)
     return (pairs[:, :, 0] | (pairs[:, :, 1] << np.uint8(4))).reshape(len(levels), -1)
+
+
+def _indices(q: np.ndarray, table: tuple[int, ...]) -> np.ndarray:
+    """int8 table values -> their indices in `table` (MXFP4's two zeros: either gives 0)."""
+    inverse = np.zeros(256, np.uint8)
+    inverse[np.array(table, np.int8).view(np.uint8)] = np.arange(len(table), dtype=np.uint8)
+    return inverse[q.view(np.uint8)]
 
 
 def _sixbits(levels: np.ndarray) -> np.ndarray:

@@ -15,9 +15,10 @@ rows share the call, so a row's result does not depend on what it is batched wit
 Values are read 128 at a time with 512-bit vectors, then 32 at a time with 128-bit ones past the
 last whole 128. `vpdpbusd` multiplies unsigned bytes with signed ones: nibbles (0..15) and six-bit
 values (0..63, a nibble and its 2 high bits put together) are the unsigned side against xq; int8
-weights are the signed side against xq + 128, less 128 times their own sum (one more `vpdpbusd`,
-against ones). For both packed forms, x is stored in the order the nibbles' low and high halves
-split a 128-value group (`_quantize`).
+weights, and the IQ4 and MXFP4 levels their nibbles index (looked up with `vpshufb`), are the
+signed side against xq + 128, less 128 times their own sum (one more `vpdpbusd`, against ones).
+For every packed form, x is stored in the order the nibbles' low and high halves split a
+128-value group (`_quantize`).
 
 Only where the CPU has AVX-512 VNNI (`available`); elsewhere the float kernels run.
 """
@@ -38,7 +39,7 @@ from numba.np.numpy_support import as_dtype
 
 from lmserve.engine_cpu import qmatrix
 from lmserve.engine_cpu.kernel_ir import F32, I8, I16, I32, I64, OUTS, Builder
-from lmserve.engine_cpu.qmatrix import FACTORED, INT8, NIBBLES, SIXBITS, SUPERBLOCK
+from lmserve.engine_cpu.qmatrix import FACTORED, INT8, NIBBLES, SIXBITS, SUPERBLOCK, TABLES
 from lmserve.model.gguf_file import ModelLoadError
 
 WIDE, NARROW = 128, 32  # values a step: 512-bit vectors, then 128-bit ones past the last whole WIDE
@@ -78,26 +79,31 @@ def choose(dots: str) -> None:
 
 
 def takes(values: np.dtype) -> bool:
-    """Whether a matrix whose values have this dtype runs here (int8 and nibbles, on a VNNI CPU)."""
-    return ENABLED and values in (INT8, NIBBLES, SIXBITS)
+    """Whether a matrix whose values have this dtype runs here (the integer forms, on a VNNI CPU)."""
+    return ENABLED and (values in (INT8, NIBBLES, SIXBITS) or values in TABLES)
 
 
-def packed(values: np.dtype) -> bool:
-    """Whether a matrix's values are unsigned in the nibbles' lane order (NIBBLES, SIXBITS), so
-    `_quantize` stores x signed and in that order."""
-    return values in (NIBBLES, SIXBITS)
+# How `_quantize` stores x for a matrix's values (`x_layout`): in their order, as xq + 128 (the
+# unsigned side, against signed weights), or as xq in the nibbles' lane order.
+NATURAL, NIBBLE_SIGNED, NIBBLE_OFFSET = 0, 1, 2
+
+
+def x_layout(values: np.dtype) -> int:
+    """NATURAL for int8 values, NIBBLE_SIGNED for the unsigned packed ones (NIBBLES, SIXBITS),
+    NIBBLE_OFFSET for the tables' levels (signed, in the nibbles' order)."""
+    return NATURAL if values == INT8 else NIBBLE_SIGNED if values in (NIBBLES, SIXBITS) else NIBBLE_OFFSET
 
 
 def wide_rows(values: np.dtype, columns: int) -> int:
     """The most rows a product runs here rather than dequantized for BLAS, where that is more than
-    a decode step's (0: not here): rows of whole WIDE steps, any number for nibbles and up to
-    INT8_WIDE_ROWS for int8 values. Dequantizing costs BLAS a float32 copy of the matrix a call;
+    a decode step's (0: not here): rows of whole WIDE steps, any number for the packed forms and up
+    to INT8_WIDE_ROWS for int8 values. Dequantizing costs BLAS a float32 copy of the matrix a call;
     int8 values (twice the bytes, one more `vpdpbusd`) lose that lead past about 128 rows, and rows
     that end in NARROW steps do not gain (figures: docs/PERFORMANCE.md, measurements behind code
     choices)."""
     if not takes(values) or columns % WIDE:
         return 0
-    return sys.maxsize if packed(values) else INT8_WIDE_ROWS
+    return INT8_WIDE_ROWS if values == INT8 else sys.maxsize
 
 
 def _vector(element: ir.Type, count: int) -> ir.VectorType:
@@ -105,12 +111,14 @@ def _vector(element: ir.Type, count: int) -> ir.VectorType:
 
 
 class _Step:
-    """One step's IR: `width` values of a matrix row against int8 x rows, block size `size`.
-    `nibbles`: the row's values are unsigned and in the nibbles' lane order (NIBBLES, SIXBITS:
-    `sixbits` too), not int8."""
+    """One step's IR: `width` values of a matrix row of dtype `values` against int8 x rows, block
+    size `size`. Every form but INT8 is in the nibbles' lane order; NIBBLES and SIXBITS are
+    unsigned (x the signed side), INT8 and the tables' levels signed (x + 128 the unsigned side)."""
 
-    def __init__(self, k: Builder, width: int, size: int, nibbles: bool, sixbits: bool = False) -> None:
-        self.k, self.b, self.width, self.size, self.nibbles, self.sixbits = k, k.b, width, size, nibbles, sixbits
+    def __init__(self, k: Builder, width: int, size: int, values: np.dtype) -> None:
+        self.k, self.b, self.width, self.size = k, k.b, width, size
+        self.sixbits, self.table, self.unsigned = values == SIXBITS, TABLES.get(values), values in (NIBBLES, SIXBITS)
+        self.nibble_order = values != INT8
         self.bytes = width // 2  # bytes a vector: a 512-bit one for WIDE, 128-bit for NARROW
         self.lanes = self.bytes // 4  # int32 lanes a vector
         self.blocks = width // size
@@ -120,23 +128,31 @@ class _Step:
             f"llvm.x86.avx512.vpdpbusd.{self.bytes * 8}")
         self.scaled_dot = cgutils.get_or_insert_function(
             self.b.module, ir.FunctionType(lanes_vector, [lanes_vector] * 3), f"llvm.x86.avx512.vpdpwssd.{self.bytes * 8}")
+        self.shuffle = cgutils.get_or_insert_function(
+            self.b.module, ir.FunctionType(bytes_vector, [bytes_vector] * 2),
+            "llvm.x86.avx512.pshuf.b.512" if width == WIDE else "llvm.x86.ssse3.pshuf.b.128")
         self.zero = ir.Constant(lanes_vector, [0] * self.lanes)
         # Each of the two vectors' int32 lanes -> the block (of this step) its 4 products are in.
-        if nibbles:  # lane l: 16-byte chunk l // 4 of the low halves (values 0-15 of 32) or high (16-31)
+        if self.nibble_order:  # lane l: 16-byte chunk l // 4 of the low halves (values 0-15 of 32) or high (16-31)
             self.maps = [[(32 * (lane // 4) + half) // size for lane in range(self.lanes)] for half in (0, 16)]
         else:
             self.maps = [[(part * self.bytes + 4 * lane) // size for lane in range(self.lanes)] for part in (0, 1)]
 
     def weights(self, qrow: ir.Value, first: ir.Value) -> list[ir.Value]:
-        """The row's two byte vectors from value `first` on: low and high nibbles, or two int8 halves."""
+        """The row's two byte vectors from value `first` on: low and high nibbles (or their
+        table's levels, by `vpshufb`), or two int8 halves."""
         b, vector = self.b, _vector(I8, self.bytes)
         if self.sixbits:
             return self._sixbit_weights(qrow, first)
-        if self.nibbles:
-            packed = self.k.load_vector(qrow, b.lshr(first, ir.Constant(I64, 1)), vector)
-            return [b.and_(packed, ir.Constant(vector, [0x0F] * self.bytes)),
-                    b.lshr(packed, ir.Constant(vector, [4] * self.bytes))]
-        return [self.k.load_vector(qrow, b.add(first, ir.Constant(I64, p * self.bytes)), vector) for p in (0, 1)]
+        if not self.nibble_order:
+            return [self.k.load_vector(qrow, b.add(first, ir.Constant(I64, p * self.bytes)), vector) for p in (0, 1)]
+        packed = self.k.load_vector(b.bitcast(qrow, I8.as_pointer()), b.lshr(first, ir.Constant(I64, 1)), vector)
+        nibbles = [b.and_(packed, ir.Constant(vector, [0x0F] * self.bytes)),
+                   b.lshr(packed, ir.Constant(vector, [4] * self.bytes))]
+        if self.table is None:
+            return nibbles
+        levels = ir.Constant(vector, [level & 0xFF for level in self.table] * (self.bytes // 16))
+        return [b.call(self.shuffle, [levels, n]) for n in nibbles]
 
     def _sixbit_weights(self, qrow: ir.Value, first: ir.Value) -> list[ir.Value]:
         """A SIXBITS group's two 64-byte vectors (`first` a WIDE group's start): its nibbles, each
@@ -161,8 +177,8 @@ class _Step:
         return [b.or_(low, low_tops), b.or_(high, high_tops)]
 
     def weight_sums(self, weights: list[ir.Value]) -> list[ir.Value] | None:
-        """int8 weights: 128 times their sums per lane, to take off the products with x + 128."""
-        if self.nibbles:
+        """Signed weights: 128 times their sums per lane, to take off the products with x + 128."""
+        if self.unsigned:
             return None
         ones = ir.Constant(_vector(I8, self.bytes), [1] * self.bytes)
         seven = ir.Constant(_vector(I32, self.lanes), [7] * self.lanes)
@@ -178,7 +194,7 @@ class _Step:
         """`q . xq` per int32 lane, as (vector, its lanes' blocks); the two vectors are added
         when their lanes hold the same blocks (nibbles of blocks of 32)."""
         b = self.b
-        if self.nibbles:
+        if self.unsigned:
             dots = [(w, x) for w, x in zip(weights, xs, strict=True)]
         else:
             dots = [(x, w) for w, x in zip(weights, xs, strict=True)]  # x + 128 the unsigned side
@@ -209,8 +225,7 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
             qrows = [k.row(1, o) for o in o_index]
             sources = [[k.row(arg, o) for arg in (2, 3, 4)] for o in o_index]
             xrows, dxrows, sumrows = ([k.row(arg, r) for r in r_index] for arg in (0, 5, 6))
-            sixbits = k.dtypes[1] == types.uint32
-            nibbles = k.dtypes[1] == types.uint8 or sixbits
+            form = as_dtype(k.dtypes[1])
             values = k.columns(0)
             wide = b.udiv(values, ir.Constant(I64, WIDE))
             narrow = b.udiv(b.sub(values, b.mul(wide, ir.Constant(I64, WIDE))), ir.Constant(I64, NARROW))
@@ -231,7 +246,7 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
             def blocks_of(size: int) -> None:
                 for width, steps, start in ((WIDE, wide, ir.Constant(I64, 0)),
                                             (NARROW, narrow, b.mul(wide, ir.Constant(I64, WIDE)))):
-                    step = _Step(k, width, size, nibbles)
+                    step = _Step(k, width, size, form)
                     lanes = _vector(F32, step.lanes)
                     blocks = _vector(F32, step.blocks)
                     acc, acc_offset = accumulators(step.lanes), accumulators(step.blocks)
@@ -263,7 +278,7 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
                 (`vpdpwssd`: a lane's product of 8 nibbles, 8 values of Q5_K's 0..31 or 4 of
                 Q6_K's 0..63 with |xq| <= 127 fits an int16), and its float factor and dx scale
                 the sum once, as llama.cpp's Q8_K products do."""
-                step = _Step(k, WIDE, size, nibbles, sixbits)
+                step = _Step(k, WIDE, size, form)
                 per = SUPERBLOCK // size
                 lanes, lanes_i, blocks = _vector(F32, step.lanes), _vector(I32, step.lanes), _vector(F32, per)
                 acc, acc_offset = accumulators(step.lanes), accumulators(per)
@@ -328,12 +343,12 @@ _column = _by_rows(*(_dots(rows, 1) for rows in (4, 2, 1)))  # matrix row `o`
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _times(x, q, scale, offset, supers, nibbles, superblocks):  # noqa: ANN001, ANN202
+def _times(x, q, scale, offset, supers, layout, superblocks):  # noqa: ANN001, ANN202
     """x rounded to int8 (one call: a launch's own cost is a few microseconds, and a decode step
     makes 100-400 of them), then its product with the matrix: a matrix row at a time for a few
     rows of x (COLUMN_ROWS), in tiles of OUTS matrix rows for more."""
     size = x.shape[1] // scale.shape[1]
-    xq, dx, xsum = _quantize(x, size, SUPERBLOCK if superblocks else size, nibbles)
+    xq, dx, xsum = _quantize(x, size, SUPERBLOCK if superblocks else size, layout)
     out = np.empty((x.shape[0], q.shape[0]), np.float32)
     if x.shape[0] <= COLUMN_ROWS:
         for o in prange(q.shape[0]):
@@ -345,9 +360,9 @@ def _times(x, q, scale, offset, supers, nibbles, superblocks):  # noqa: ANN001, 
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _grouped_times(x, q, scale, offset, supers, nibbles, superblocks, experts, firsts):  # noqa: ANN001, ANN202
+def _grouped_times(x, q, scale, offset, supers, layout, superblocks, experts, firsts):  # noqa: ANN001, ANN202
     size = x.shape[1] // scale.shape[2]
-    xq, dx, xsum = _quantize(x, size, SUPERBLOCK if superblocks else size, nibbles)
+    xq, dx, xsum = _quantize(x, size, SUPERBLOCK if superblocks else size, layout)
     out = np.empty((x.shape[0], q.shape[1]), np.float32)
     rows = q.shape[1]
     if np.max(firsts[1:] - firsts[:-1]) <= COLUMN_ROWS:
@@ -365,26 +380,27 @@ def _grouped_times(x, q, scale, offset, supers, nibbles, superblocks, experts, f
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _quantize(x, size, group, nibbles):  # noqa: ANN001, ANN202
+def _quantize(x, size, group, layout):  # noqa: ANN001, ANN202
     """Each `group` values of each row of x as `dx * xq`, |xq| <= 127 (NaN dx where the group is
     not finite): `group` is the weights' block `size`, or a superblock (`by_superblock`); and
-    `dx * sum(xq)` of each block of `size`. int8 weights' x is stored as xq + 128 (the unsigned
-    side); nibbles' in each whole WIDE group as the low halves' values, then the high halves'.
+    `dx * sum(xq)` of each block of `size`. Signed weights' x (int8, the tables' levels) is
+    stored as xq + 128 (the unsigned side); packed weights' (every form but int8, `x_layout`) in
+    each whole WIDE group as the nibbles' low halves' values, then the high halves'.
     Rows on the kernels' threads where there are many (a prompt chunk's)."""
     n, columns = x.shape
     xq = np.empty((n, columns), np.int8)
     dx, xsum = np.empty((n, columns // group), np.float32), np.empty((n, columns // size), np.float32)
     if n * columns < PARALLEL_VALUES:  # a decode step's: a thread launch costs more
         for r in range(n):
-            _quantize_row(x, xq, dx, xsum, r, size, group, nibbles)
+            _quantize_row(x, xq, dx, xsum, r, size, group, layout)
     else:
         for r in prange(n):
-            _quantize_row(x, xq, dx, xsum, r, size, group, nibbles)
+            _quantize_row(x, xq, dx, xsum, r, size, group, layout)
     return xq, dx, xsum
 
 
 @njit(inline="always", nogil=True)
-def _quantize_row(x, xq, dx, xsum, r, size, group, nibbles):  # noqa: ANN001, ANN202
+def _quantize_row(x, xq, dx, xsum, r, size, group, layout):  # noqa: ANN001, ANN202
     """`_quantize` of row r, in loops that vectorize: the largest |value| of a group is found as
     the largest of their bits (whose integer order is that of non-negative floats; past the finite
     ones' lie inf and NaN), and values are stored in runs of RUN, the unit nibbles move in."""
@@ -407,11 +423,11 @@ def _quantize_row(x, xq, dx, xsum, r, size, group, nibbles):  # noqa: ANN001, AN
             quantized = 0
             for first in range(block * size, (block + 1) * size, RUN):
                 at = first
-                if nibbles and first < wide:  # value c*32 + h*16 + t of a group -> h*64 + c*16 + t
+                if layout != NATURAL and first < wide:  # value c*32 + h*16 + t of a group -> h*64 + c*16 + t
                     within = first % WIDE
                     at += within % 32 // 16 * 64 + within // 32 * 16 - within
                 source, target = row[first:first + RUN], xq[r, at:at + RUN]
-                if nibbles:
+                if layout == NIBBLE_SIGNED:
                     for t in range(RUN):
                         v = np.int32(np.rint(source[t] * inverse))
                         quantized += v
@@ -430,18 +446,19 @@ def by_superblock(values: np.dtype, scales: np.dtype) -> bool:
     its product is `_dots`' `superblocks_of`: nibbles and six-bit values with FACTORED scales.
     int8 values keep a dx a block: IQ4_XS's (up to 127) would overflow `vpdpwssd`'s int16 (figures:
     docs/PERFORMANCE.md, measurements behind code choices)."""
-    return packed(values) and scales == FACTORED
+    return x_layout(values) == NIBBLE_SIGNED and scales == FACTORED
 
 
 def times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray) -> np.ndarray:
     """`kernels.times` for int8 and nibble values."""
-    return _times(x, q, scale, offset, supers, packed(q.dtype), by_superblock(q.dtype, scale.dtype))
+    return _times(x, q, scale, offset, supers, x_layout(q.dtype), by_superblock(q.dtype, scale.dtype))
 
 
 def grouped_times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray,
                   experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
     """`kernels.grouped_times` for int8 and nibble values."""
-    return _grouped_times(x, q, scale, offset, supers, packed(q.dtype), by_superblock(q.dtype, scale.dtype), experts, firsts)
+    return _grouped_times(x, q, scale, offset, supers, x_layout(q.dtype), by_superblock(q.dtype, scale.dtype), experts,
+                          firsts)
 
 
 def prepare(q: types.Array, scales: types.Array, ids: types.Array | None = None) -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.np.numpy_support import as_dtype
 
-from lmserve.engine_cpu.qmatrix import SIXBIT_BYTES, SIXBIT_GROUP, SUPERBLOCK
+from lmserve.engine_cpu.qmatrix import ENCODINGS, SIXBIT_BYTES, SIXBIT_GROUP, SUPERBLOCK, TABLES
 
 LANES = 16  # float32 values per vector: one AVX-512 register, two AVX2 ones, four NEON ones
 F32, I8, I32, I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
@@ -23,6 +25,7 @@ NIBBLE_GROUP = 32  # nibble-packed values: 16 bytes hold values 0-15 in the low 
 # slower, 4 a little; the int8 kernels run one matrix row at a time for few x rows instead
 # (`int8_kernels.COLUMN_ROWS`; figures: docs/PERFORMANCE.md, measurements behind code choices).
 OUTS = 2
+BYTE_SHUFFLE = llvm.get_host_cpu_features().get("ssse3", False)  # `pshufb`: a table lookup per byte
 
 
 class Builder:
@@ -43,11 +46,9 @@ class Builder:
         argument `scales`' columns give: the loops are built for a constant size (a loop over a
         block's vectors with a run-time count made 4-row products slower; figures:
         docs/PERFORMANCE.md, measurements behind code choices)."""
-        size = self.b.udiv(self.columns(values), self.columns(scales))
-        if self.dtypes[values] == types.uint8:  # two values a byte
-            size = self.b.shl(size, ir.Constant(I64, 1))
-        elif self.dtypes[values] == types.uint32:  # SIXBITS: 16 values in 3 words
-            size = self.b.udiv(self.b.shl(size, ir.Constant(I64, 4)), ir.Constant(I64, 3))
+        per, elements = ENCODINGS[as_dtype(self.dtypes[values])]  # `per` values in `elements` elements
+        size = self.b.udiv(self.b.mul(self.columns(values), ir.Constant(I64, per)),
+                           self.b.mul(self.columns(scales), ir.Constant(I64, elements)))
         with self.b.if_else(self.b.icmp_unsigned("==", size, ir.Constant(I64, BLOCK_SIZES[0]))) as (first, other):
             with first:
                 emit(BLOCK_SIZES[0])
@@ -79,11 +80,13 @@ class Builder:
         b, dtype = self.b, self.dtypes[q]
         if dtype == types.uint32:
             return self._sixbit_values(qrow, first, size)
-        if dtype == types.uint8:  # 16 bytes hold 32 values: the low nibbles, then the high ones
+        table = TABLES.get(as_dtype(dtype))
+        if dtype == types.uint8 or table:  # 16 bytes hold 32 values: the low nibbles, then the high ones
             group = b.and_(first, ir.Constant(I64, -NIBBLE_GROUP))
-            packed = self.load_vector(qrow, b.lshr(group, ir.Constant(I64, 1)), VQ)
-            low = b.uitofp(b.and_(packed, ir.Constant(VQ, [0x0F] * LANES)), VF)
-            high = b.uitofp(b.lshr(packed, ir.Constant(VQ, [4] * LANES)), VF)
+            packed = self.load_vector(b.bitcast(qrow, I8.as_pointer()), b.lshr(group, ir.Constant(I64, 1)), VQ)
+            low, high = b.and_(packed, ir.Constant(VQ, [0x0F] * LANES)), b.lshr(packed, ir.Constant(VQ, [4] * LANES))
+            low, high = ((self._looked_up(v, table) for v in (low, high)) if table
+                         else (b.uitofp(v, VF) for v in (low, high)))
             if size == NIBBLE_GROUP:
                 return [low, high]
             second = b.icmp_unsigned("!=", b.sub(first, group), ir.Constant(I64, 0))  # a block of 16
@@ -100,6 +103,21 @@ class Builder:
                 wide = b.zext(self.load_vector(qrow, at, VH), VI32)
                 vectors.append(b.bitcast(b.shl(wide, ir.Constant(VI32, [16] * LANES)), VF))
         return vectors
+
+    def _looked_up(self, indices: ir.Value, table: tuple[int, ...]) -> ir.Value:
+        """`table[indices]` as float32 (indices 0-15 a lane): one byte shuffle (`pshufb`) where the
+        CPU has SSSE3 (every x86-64 one this runs on), else selects on each index bit, which made
+        a one-row product 1.7x slower (figures: docs/PERFORMANCE.md, IQ4_NL, IQ4_XS and MXFP4 as
+        nibbles)."""
+        b = self.b
+        if BYTE_SHUFFLE:
+            shuffle = cgutils.get_or_insert_function(b.module, ir.FunctionType(VQ, [VQ, VQ]), "llvm.x86.ssse3.pshuf.b.128")
+            return b.sitofp(b.call(shuffle, [ir.Constant(VQ, [level & 0xFF for level in table]), indices]), VF)
+        values = [ir.Constant(VF, [float(level)] * LANES) for level in table]
+        for bit in range(4):
+            set_ = b.icmp_unsigned("!=", b.and_(indices, ir.Constant(VQ, [1 << bit] * LANES)), ir.Constant(VQ, [0] * LANES))
+            values = [b.select(set_, values[i + 1], values[i]) for i in range(0, len(values), 2)]
+        return values[0]
 
     def _sixbit_values(self, qrow: ir.Value, first: ir.Value, size: int) -> list[ir.Value]:
         """`block_values` of a SIXBITS row: block c (of 32) of a group is its 16 bytes of nibbles

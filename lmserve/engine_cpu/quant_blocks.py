@@ -80,8 +80,8 @@ Blocks = tuple[np.ndarray, np.ndarray | Factors, np.ndarray | Factors]  # what a
 
 # The 16-entry int8 tables of the non-linear 4-bit types (gguf.quants.IQ4_NL.kvalues, MXFP4.kvalues:
 # e2m1 values doubled).
-_IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-_MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 def unpack(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> Unpacked:
@@ -285,7 +285,7 @@ def _q3_k(blocks: np.ndarray) -> Blocks:
 
 def _iq4_nl(blocks: np.ndarray) -> Unpacked:
     d = _half(blocks, 0)
-    q = _lookup(_IQ4_VALUES, _nibbles(blocks[:, 2:], 1, 16))
+    q = _lookup(IQ4_VALUES, _nibbles(blocks[:, 2:], 1, 16))
     return q, d, _zeros(len(blocks), 1)
 
 
@@ -296,14 +296,14 @@ def _iq4_xs(blocks: np.ndarray) -> Blocks:
     shifts = np.arange(0, 16, 2, dtype=np.uint16)
     high = ((scales_h >> shifts) & np.uint16(0x03)).astype(np.uint8)
     ls = (scales_l | (high << 4)).view(np.int8) - np.int8(32)
-    q = _lookup(_IQ4_VALUES, _nibbles(blocks[:, 8:], 8, 16))  # [n, 8, 2, 16] = sub-blocks of 32
+    q = _lookup(IQ4_VALUES, _nibbles(blocks[:, 8:], 8, 16))  # [n, 8, 2, 16] = sub-blocks of 32
     return q, Factors(ls, d), Factors.zeros(len(blocks), QK_K // 32)
 
 
 def _mxfp4(blocks: np.ndarray) -> Unpacked:
     # gguf's e8m0_to_fp32_half: 2^(e-128), subnormal for e < 2; ldexp forms the same float32.
     scale = np.ldexp(np.float32(1.0), blocks[:, 0].astype(np.int32) - 128).astype(np.float32)
-    q = _lookup(_MXFP4_VALUES, _nibbles(blocks[:, 1:], 1, 16))
+    q = _lookup(MXFP4_VALUES, _nibbles(blocks[:, 1:], 1, 16))
     return q, scale, _zeros(len(blocks), 1)
 
 
