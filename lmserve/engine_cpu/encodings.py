@@ -3,8 +3,9 @@
 Decode reads every weight once a step, so the bytes a value takes decide its speed; each type
 keeps the file's own values in the fewest bytes the kernels can read (`qmatrix.ENCODINGS`):
 
-- types of at most 4 bits with evenly spaced levels (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K): packed
-  nibbles, 0.5 byte a value plus a float32 scale and offset per block (32; 16 for Q2_K/Q3_K).
+- types of 3 or 4 bits with evenly spaced levels (Q4_0, Q4_1, Q4_K, Q3_K): packed nibbles, 0.5
+  byte a value plus a scale and offset per block (32; 16 for Q3_K).
+- Q2_K: two bits, 0.25 byte a value (`qmatrix.CRUMBS`).
   Centered levels are shifted up: Q4_0's `d*(q-8)` becomes `d*q - 8*d`, exact in float32 (a
   float16 times a 4-bit integer, and times 8), Q3_K's `s*(q-4)` likewise.
 - the 5- and 6-bit K-quants (Q5_K, Q6_K): six bits, 0.75 byte a value (`qmatrix.SIXBITS`), Q6_K's
@@ -30,6 +31,7 @@ from gguf import GGMLQuantizationType
 
 from lmserve.engine_cpu.qmatrix import (
     BFLOAT,
+    CRUMBS,
     ENCODINGS,
     FACTORED,
     FLOAT,
@@ -49,7 +51,8 @@ from lmserve.engine_cpu.quant_blocks import FACTORED_TYPES, SUPPORTED, unpack_fa
 
 _T = GGMLQuantizationType
 # Types packed as nibbles, or in six bits -> the level their unpacked int8 values are centered on.
-PACKED_ZERO = {_T.Q4_0: 8, _T.Q4_1: 0, _T.Q4_K: 0, _T.Q3_K: 4, _T.Q2_K: 0}
+PACKED_ZERO = {_T.Q4_0: 8, _T.Q4_1: 0, _T.Q4_K: 0, _T.Q3_K: 4}
+CRUMB_TYPES = frozenset({_T.Q2_K})  # values 0..3, in two bits
 SIXBIT_ZERO = {_T.Q5_K: 0, _T.Q6_K: 32}
 LEVELS = {_T.IQ4_NL: IQ4_LEVELS, _T.IQ4_XS: IQ4_LEVELS, _T.MXFP4: MXFP4_LEVELS}  # -> the nibbles' dtype
 _FLOATS = {_T.F16: HALF, _T.BF16: BFLOAT}
@@ -80,7 +83,8 @@ def encoding_of(qtype: GGMLQuantizationType, columns: int) -> Encoding | None:
     if qtype not in SUPPORTED:
         return None
     scales = FACTORED if qtype in FACTORED_TYPES else FLOAT if qtype == _T.MXFP4 else HALF_SCALES
-    values = NIBBLES if qtype in PACKED_ZERO else SIXBITS if qtype in SIXBIT_ZERO else LEVELS.get(qtype, INT8)
+    values = (NIBBLES if qtype in PACKED_ZERO else SIXBITS if qtype in SIXBIT_ZERO
+              else CRUMBS if qtype in CRUMB_TYPES else LEVELS.get(qtype, INT8))
     return Encoding(values, SUPPORTED[qtype], scales)
 
 
@@ -101,6 +105,8 @@ def encode(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> Parts
     if qtype in PACKED_ZERO or qtype in SIXBIT_ZERO:
         levels = q.view(np.uint8) + np.uint8(zero)  # 0..15 or 0..63 (uint8 arithmetic wraps -8..-1 right)
         q = _nibbles(levels) if qtype in PACKED_ZERO else _sixbits(levels)
+    elif qtype in CRUMB_TYPES:
+        q = _crumbs(q.view(np.uint8))
     elif qtype in LEVELS:
         q = _nibbles(_indices(q, TABLES[LEVELS[qtype]])).view(LEVELS[qtype])
     if supers is not None:
@@ -129,12 +135,25 @@ def _sixbits(levels: np.ndarray) -> np.ndarray:
     n = len(levels)
     groups = levels.reshape(n, -1, SIXBIT_GROUP)
     nibbles = _nibbles(groups.reshape(-1, SIXBIT_GROUP) & np.uint8(0x0F)).reshape(n, -1, 64)
-    high = (groups >> np.uint8(4)).reshape(n, -1, 4, 2, 16)  # [block of 32, its half, value]
-    low_lanes, high_lanes = (high[:, :, :, half].reshape(n, -1, 64) for half in (0, 1))  # lane c*16 + t
-    tops = (low_lanes[..., :32] | low_lanes[..., 32:] << np.uint8(2)
+    packed = np.concatenate([nibbles, _two_bits(groups >> np.uint8(4))], axis=-1)
+    return np.ascontiguousarray(packed.reshape(n, groups.shape[1] * SIXBIT_BYTES)).view(SIXBITS)
+
+
+def _crumbs(levels: np.ndarray) -> np.ndarray:
+    """Values 0..3 `[n, columns]` (columns whole groups of 128) as `qmatrix.CRUMBS`."""
+    groups = levels.reshape(len(levels), -1, SIXBIT_GROUP)
+    return np.ascontiguousarray(_two_bits(groups).reshape(len(levels), -1)).view(CRUMBS)
+
+
+def _two_bits(groups: np.ndarray) -> np.ndarray:
+    """Values 0..3 `[n, groups, 128]` -> `[n, groups, 32]` bytes: the nibbles' lane c*16 + t of
+    the low halves (value c*32 + t) and of the high halves (c*32 + 16 + t), lanes j and j + 32 of
+    each in byte j's bits 0-1, 2-3 (low) and 4-5, 6-7 (high)."""
+    n = len(groups)
+    halves = groups.reshape(n, -1, 4, 2, 16)  # [block of 32, its half, value]
+    low_lanes, high_lanes = (halves[:, :, :, half].reshape(n, -1, 64) for half in (0, 1))
+    return (low_lanes[..., :32] | low_lanes[..., 32:] << np.uint8(2)
             | high_lanes[..., :32] << np.uint8(4) | high_lanes[..., 32:] << np.uint8(6))
-    packed = np.concatenate([nibbles, tops], axis=-1).reshape(n, groups.shape[1] * SIXBIT_BYTES)
-    return np.ascontiguousarray(packed).view(SIXBITS)
 
 
 def _halves(values: np.ndarray) -> np.ndarray:

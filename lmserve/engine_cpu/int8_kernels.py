@@ -6,15 +6,16 @@ activations). These quantize each row of x to int8 per weight block first (`dx *
 then multiply the weights' integers with it in int32: AVX-512 VNNI's `vpdpbusd` does 64 byte
 products an instruction. A block's term is `scale * dx * (q . xq) + offset * dx * sum(xq)`, the
 sums of the quantized values as llama.cpp's q8 blocks keep them, so a centered type's `d*(q-8)`
-gives the same terms either way. Nibbles and six-bit values with FACTORED scales (Q4_K, Q3_K, Q2_K;
-Q5_K, Q6_K) round x per superblock of 256 values instead, as llama.cpp's Q8_K does: the int8
+gives the same terms either way. Nibbles, six- and two-bit values with FACTORED scales (Q4_K, Q3_K;
+Q5_K, Q6_K; Q2_K) round x per superblock of 256 values instead, as llama.cpp's Q8_K does: the int8
 sub-block scales then multiply the int32 products in integers (`vpdpwssd`), and one float
 multiply-add a superblock replaces one a block (`by_superblock`). Rows are independent, and their blocks are summed in one order whatever
 rows share the call, so a row's result does not depend on what it is batched with.
 
 Values are read 128 at a time with 512-bit vectors, then 32 at a time with 128-bit ones past the
-last whole 128. `vpdpbusd` multiplies unsigned bytes with signed ones: nibbles (0..15) and six-bit
-values (0..63, a nibble and its 2 high bits put together) are the unsigned side against xq; int8
+last whole 128. `vpdpbusd` multiplies unsigned bytes with signed ones: nibbles (0..15), six-bit
+values (0..63, a nibble and its 2 high bits put together) and two-bit ones (0..3) are the unsigned
+side against xq; int8
 weights, and the IQ4 and MXFP4 levels their nibbles index (looked up with `vpshufb`), are the
 signed side against xq + 128, less 128 times their own sum (one more `vpdpbusd`, against ones).
 For every packed form, x is stored in the order the nibbles' low and high halves split a
@@ -39,7 +40,7 @@ from numba.np.numpy_support import as_dtype
 
 from lmserve.engine_cpu import qmatrix
 from lmserve.engine_cpu.kernel_ir import F32, I8, I16, I32, I64, OUTS, Builder
-from lmserve.engine_cpu.qmatrix import FACTORED, INT8, NIBBLES, SIXBITS, SUPERBLOCK, TABLES
+from lmserve.engine_cpu.qmatrix import CRUMBS, FACTORED, INT8, NIBBLES, SIXBITS, SUPERBLOCK, TABLES
 from lmserve.model.gguf_file import ModelLoadError
 
 WIDE, NARROW = 128, 32  # values a step: 512-bit vectors, then 128-bit ones past the last whole WIDE
@@ -80,18 +81,19 @@ def choose(dots: str) -> None:
 
 def takes(values: np.dtype) -> bool:
     """Whether a matrix whose values have this dtype runs here (the integer forms, on a VNNI CPU)."""
-    return ENABLED and (values in (INT8, NIBBLES, SIXBITS) or values in TABLES)
+    return ENABLED and (values == INT8 or values in UNSIGNED or values in TABLES)
 
 
+UNSIGNED = (NIBBLES, SIXBITS, CRUMBS)  # the forms whose values are the unsigned side of `vpdpbusd`
 # How `_quantize` stores x for a matrix's values (`x_layout`): in their order, as xq + 128 (the
 # unsigned side, against signed weights), or as xq in the nibbles' lane order.
 NATURAL, NIBBLE_SIGNED, NIBBLE_OFFSET = 0, 1, 2
 
 
 def x_layout(values: np.dtype) -> int:
-    """NATURAL for int8 values, NIBBLE_SIGNED for the unsigned packed ones (NIBBLES, SIXBITS),
+    """NATURAL for int8 values, NIBBLE_SIGNED for the unsigned packed ones (UNSIGNED),
     NIBBLE_OFFSET for the tables' levels (signed, in the nibbles' order)."""
-    return NATURAL if values == INT8 else NIBBLE_SIGNED if values in (NIBBLES, SIXBITS) else NIBBLE_OFFSET
+    return NATURAL if values == INT8 else NIBBLE_SIGNED if values in UNSIGNED else NIBBLE_OFFSET
 
 
 def wide_rows(values: np.dtype, columns: int) -> int:
@@ -112,12 +114,13 @@ def _vector(element: ir.Type, count: int) -> ir.VectorType:
 
 class _Step:
     """One step's IR: `width` values of a matrix row of dtype `values` against int8 x rows, block
-    size `size`. Every form but INT8 is in the nibbles' lane order; NIBBLES and SIXBITS are
-    unsigned (x the signed side), INT8 and the tables' levels signed (x + 128 the unsigned side)."""
+    size `size`. Every form but INT8 is in the nibbles' lane order; NIBBLES, SIXBITS and CRUMBS
+    are unsigned (x the signed side), INT8 and the tables' levels signed (x + 128 the unsigned side)."""
 
     def __init__(self, k: Builder, width: int, size: int, values: np.dtype) -> None:
         self.k, self.b, self.width, self.size = k, k.b, width, size
-        self.sixbits, self.table, self.unsigned = values == SIXBITS, TABLES.get(values), values in (NIBBLES, SIXBITS)
+        self.sixbits, self.crumbs, self.table = values == SIXBITS, values == CRUMBS, TABLES.get(values)
+        self.unsigned = values in UNSIGNED
         self.nibble_order = values != INT8
         self.bytes = width // 2  # bytes a vector: a 512-bit one for WIDE, 128-bit for NARROW
         self.lanes = self.bytes // 4  # int32 lanes a vector
@@ -144,6 +147,9 @@ class _Step:
         b, vector = self.b, _vector(I8, self.bytes)
         if self.sixbits:
             return self._sixbit_weights(qrow, first)
+        if self.crumbs:  # a WIDE group's 32 bytes
+            at = b.mul(b.udiv(first, ir.Constant(I64, qmatrix.SIXBIT_GROUP)), ir.Constant(I64, self.bytes // 2))
+            return self._two_bits(b.bitcast(qrow, I8.as_pointer()), at, 0)
         if not self.nibble_order:
             return [self.k.load_vector(qrow, b.add(first, ir.Constant(I64, p * self.bytes)), vector) for p in (0, 1)]
         packed = self.k.load_vector(b.bitcast(qrow, I8.as_pointer()), b.lshr(first, ir.Constant(I64, 1)), vector)
@@ -157,24 +163,30 @@ class _Step:
     def _sixbit_weights(self, qrow: ir.Value, first: ir.Value) -> list[ir.Value]:
         """A SIXBITS group's two 64-byte vectors (`first` a WIDE group's start): its nibbles, each
         with its 2 high bits from the 32 bytes past them (`qmatrix.SIXBITS`)."""
-        b, vector, half = self.b, _vector(I8, self.bytes), _vector(I8, self.bytes // 2)
+        b, vector = self.b, _vector(I8, self.bytes)
         at = b.mul(b.udiv(first, ir.Constant(I64, qmatrix.SIXBIT_GROUP)), ir.Constant(I64, qmatrix.SIXBIT_BYTES))
         data = b.bitcast(qrow, I8.as_pointer())
         packed = self.k.load_vector(data, at, vector)
-        tops = self.k.load_vector(data, b.add(at, ir.Constant(I64, self.bytes)), half)
-
-        def bits(shifted: ir.Value) -> ir.Value:
-            return b.and_(shifted, ir.Constant(half, [0x30] * (self.bytes // 2)))
-
-        def by(amount: int) -> ir.Constant:
-            return ir.Constant(half, [amount] * (self.bytes // 2))
-
-        both = ir.Constant(_vector(I32, self.bytes), list(range(self.bytes)))
-        low_tops = b.shuffle_vector(bits(b.shl(tops, by(4))), bits(b.shl(tops, by(2))), both)
-        high_tops = b.shuffle_vector(bits(tops), bits(b.lshr(tops, by(2))), both)
         low = b.and_(packed, ir.Constant(vector, [0x0F] * self.bytes))
         high = b.lshr(packed, ir.Constant(vector, [4] * self.bytes))
-        return [b.or_(low, low_tops), b.or_(high, high_tops)]
+        tops = self._two_bits(data, b.add(at, ir.Constant(I64, self.bytes)), 4)
+        return [b.or_(low, tops[0]), b.or_(high, tops[1])]
+
+    def _two_bits(self, data: ir.Value, at: ir.Value, shift: int) -> list[ir.Value]:
+        """The two 64-byte vectors of 2-bit values that the 32 bytes at byte `at` hold (SIXBITS'
+        high bits, CRUMBS' values), shifted left by `shift`: fields 0 and 1 of each byte make the
+        low vector's halves, 2 and 3 the high one's."""
+        b, half = self.b, _vector(I8, self.bytes // 2)
+        tops = self.k.load_vector(data, at, half)
+
+        def field(index: int) -> ir.Value:
+            move = shift - 2 * index
+            moved = (b.shl(tops, ir.Constant(half, [move] * (self.bytes // 2))) if move > 0
+                     else b.lshr(tops, ir.Constant(half, [-move] * (self.bytes // 2))) if move < 0 else tops)
+            return b.and_(moved, ir.Constant(half, [3 << shift] * (self.bytes // 2)))
+
+        both = ir.Constant(_vector(I32, self.bytes), list(range(self.bytes)))
+        return [b.shuffle_vector(field(0), field(1), both), b.shuffle_vector(field(2), field(3), both)]
 
     def weight_sums(self, weights: list[ir.Value]) -> list[ir.Value] | None:
         """Signed weights: 128 times their sums per lane, to take off the products with x + 128."""

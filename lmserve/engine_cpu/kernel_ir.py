@@ -78,8 +78,8 @@ class Builder:
         """The `size` values of argument `q`'s row `qrow` from value `first` on (a block's
         start), as float32 vectors of LANES values, decoded as the argument's dtype says."""
         b, dtype = self.b, self.dtypes[q]
-        if dtype == types.uint32:
-            return self._sixbit_values(qrow, first, size)
+        if dtype in (types.uint32, types.uint64):  # SIXBITS, CRUMBS
+            return self._two_bit_values(qrow, first, size, dtype == types.uint64)
         table = TABLES.get(as_dtype(dtype))
         if dtype == types.uint8 or table:  # 16 bytes hold 32 values: the low nibbles, then the high ones
             group = b.and_(first, ir.Constant(I64, -NIBBLE_GROUP))
@@ -119,27 +119,30 @@ class Builder:
             values = [b.select(set_, values[i + 1], values[i]) for i in range(0, len(values), 2)]
         return values[0]
 
-    def _sixbit_values(self, qrow: ir.Value, first: ir.Value, size: int) -> list[ir.Value]:
-        """`block_values` of a SIXBITS row: block c (of 32) of a group is its 16 bytes of nibbles
-        and, for the high bits, 16 bytes of the 32 past them at (c % 2) * 16, shifted by 2 * (c // 2)
-        for the low nibbles' values and 4 more for the high ones'."""
+    def _two_bit_values(self, qrow: ir.Value, first: ir.Value, size: int, crumbs: bool) -> list[ir.Value]:
+        """`block_values` of a SIXBITS or CRUMBS row: block c (of 32) of a group has its 2-bit
+        values (SIXBITS: the high bits) in 16 bytes of the group's 32 at (c % 2) * 16, shifted by
+        2 * (c // 2) for the nibbles' low halves' values and 4 more for the high ones'; SIXBITS
+        keeps the nibbles in the 16 bytes at c * 16 before them."""
         b = self.b
         data = b.bitcast(qrow, I8.as_pointer())
         group, within = (b.udiv(first, ir.Constant(I64, SIXBIT_GROUP)), b.urem(first, ir.Constant(I64, SIXBIT_GROUP)))
         chunk = b.udiv(within, ir.Constant(I64, NIBBLE_GROUP))
-        base = b.mul(group, ir.Constant(I64, SIXBIT_BYTES))
-        packed = self.load_vector(data, b.add(base, b.mul(chunk, ir.Constant(I64, 16))), VQ)
-        tops_at = b.add(base, ir.Constant(I64, 64))
+        base = b.mul(group, ir.Constant(I64, 32 if crumbs else SIXBIT_BYTES))
+        tops_at = base if crumbs else b.add(base, ir.Constant(I64, 64))
         tops = self.load_vector(data, b.add(tops_at, b.mul(b.and_(chunk, ir.Constant(I64, 1)), ir.Constant(I64, 16))), VQ)
         shift = b.trunc(b.shl(b.lshr(chunk, ir.Constant(I64, 1)), ir.Constant(I64, 1)), I8)
         three, fifteen = ir.Constant(VQ, [3] * LANES), ir.Constant(VQ, [0x0F] * LANES)
+        packed = None if crumbs else self.load_vector(data, b.add(base, b.mul(chunk, ir.Constant(I64, 16))), VQ)
 
-        def values(nibbles: ir.Value, top_shift: ir.Value) -> ir.Value:
+        def values(nibbles: ir.Value | None, top_shift: ir.Value) -> ir.Value:
             tops_of = b.and_(b.lshr(tops, self.splat(top_shift)), three)
+            if nibbles is None:
+                return b.uitofp(tops_of, VF)
             return b.uitofp(b.or_(nibbles, b.shl(tops_of, ir.Constant(VQ, [4] * LANES))), VF)
 
-        low = values(b.and_(packed, fifteen), shift)
-        high = values(b.lshr(packed, ir.Constant(VQ, [4] * LANES)), b.add(shift, ir.Constant(I8, 4)))
+        low = values(None if crumbs else b.and_(packed, fifteen), shift)
+        high = values(None if crumbs else b.lshr(packed, ir.Constant(VQ, [4] * LANES)), b.add(shift, ir.Constant(I8, 4)))
         if size == NIBBLE_GROUP:
             return [low, high]
         second = b.icmp_unsigned("!=", b.urem(within, ir.Constant(I64, NIBBLE_GROUP)), ir.Constant(I64, 0))

@@ -3,9 +3,9 @@
 Every value is `scale * q + offset` of its block, the value the file's own dequantizer gives, so
 the model is the file's, not a re-quantization of it; only the products' rounding differs from
 float32 BLAS. How `q` holds the values is its dtype (`ENCODINGS`): 4-bit types as packed nibbles
-(half a byte a value; the IQ4 and MXFP4 ones as indices into their tables), 5- and 6-bit K-quants
-in six bits (three quarters of a byte), other quants as int8, float16 and bfloat16 as their own
-bits. How the
+(half a byte a value; the IQ4 and MXFP4 ones as indices into their tables), Q2_K in two bits,
+5- and 6-bit K-quants in six (three quarters of a byte), other quants as int8, float16 and
+bfloat16 as their own bits. How the
 scales and offsets are held is theirs (`SCALE_FORMS`), each the fewest bytes that give the
 file's float32 scale exactly. Decode-sized products (up to KERNEL_ROWS rows) run the compiled
 kernels, which read the values where they lie (0.59-2.1 bytes a value instead of float32's 4);
@@ -47,6 +47,7 @@ NIBBLES = np.dtype(np.uint8)  # two: value i of a block of 32 in the low half, v
 # 6-7: a 32-byte vector of them then makes both 64-lane halves (`int8_kernels`).
 SIXBITS = np.dtype(np.uint32)
 SIXBIT_GROUP, SIXBIT_BYTES = 128, 96  # values in a group, and its bytes (64 of nibbles, 32 of highs)
+CRUMBS = np.dtype(np.uint64)  # values of 0-3 (Q2_K), 128 in 32 bytes laid out as SIXBITS' high bits
 # Nibbles laid out as NIBBLES' that index a 16-entry int8 table, the non-linear 4-bit types' levels;
 # the dtype names the table (`TABLES`), which the kernels look each nibble up in.
 IQ4_LEVELS = np.dtype(np.int32)  # IQ4_NL's and IQ4_XS's: 8 nibbles an element
@@ -54,8 +55,8 @@ MXFP4_LEVELS = np.dtype(np.int64)  # MXFP4's: 16 an element
 TABLES = {IQ4_LEVELS: IQ4_VALUES, MXFP4_LEVELS: MXFP4_VALUES}
 HALF = np.dtype(np.int16)  # float16 bits
 BFLOAT = np.dtype(np.uint16)  # bfloat16 bits
-ENCODINGS = {INT8: (1, 1), NIBBLES: (2, 1), SIXBITS: (16, 3), IQ4_LEVELS: (8, 1), MXFP4_LEVELS: (16, 1),
-             HALF: (1, 1), BFLOAT: (1, 1)}
+ENCODINGS = {INT8: (1, 1), NIBBLES: (2, 1), SIXBITS: (16, 3), CRUMBS: (32, 1), IQ4_LEVELS: (8, 1),
+             MXFP4_LEVELS: (16, 1), HALF: (1, 1), BFLOAT: (1, 1)}
 
 
 def elements(dtype: np.dtype, columns: int) -> int:
