@@ -266,13 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
         "APIs. Without a model, serves the embedded SmolLM2-135M-Instruct."), epilog=_families_epilog())
     for item in DECLARED:
         spec = item.spec
+        help_text = spec.help.replace("%", "%%")  # argparse expands `%` specifiers: "1% of" failed --help
         if item.flag is None:
-            p.add_argument(item.name, nargs="?", help=_literal(spec.help))
+            p.add_argument(item.name, nargs="?", help=help_text)
         elif item.kind is bool:
             p.add_argument(item.flag, dest=item.name, action="store_false" if spec.inverted else "store_true",
-                           help=_literal(spec.help))
+                           help=help_text)
         else:
-            kwargs: dict[str, Any] = {"dest": item.name, "help": _literal(spec.help), "metavar": spec.metavar,
+            kwargs: dict[str, Any] = {"dest": item.name, "help": help_text, "metavar": spec.metavar,
                                       "type": _converter(item)}
             if spec.choices:
                 kwargs |= {"choices": spec.choices, "metavar": None}
@@ -283,12 +284,6 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(item.flag, **kwargs)
     p.add_argument("--version", action="version", version=f"lmserve {__version__}")
     return p
-
-
-def _literal(help_text: str) -> str:
-    """A help text as argparse prints it verbatim: it expands `%` specifiers, and a "1% of" in
-    one made `--help` fail with a TypeError."""
-    return help_text.replace("%", "%%")
 
 
 NUMBER_NAMES = {int: "an integer", float: "a number"}

@@ -50,10 +50,11 @@ from lmserve.engine_cpu.qmatrix import (
 from lmserve.engine_cpu.quant_blocks import FACTORED_TYPES, SUPPORTED, unpack_factored
 
 _T = GGMLQuantizationType
-# Types packed as nibbles, or in six bits -> the level their unpacked int8 values are centered on.
+# Types packed as nibbles (PACKED_ZERO), or in six bits (SIXBIT_ZERO) -> the level their unpacked
+# int8 values are centered on.
 PACKED_ZERO = {_T.Q4_0: 8, _T.Q4_1: 0, _T.Q4_K: 0, _T.Q3_K: 4}
-CRUMB_TYPES = frozenset({_T.Q2_K})  # values 0..3, in two bits
 SIXBIT_ZERO = {_T.Q5_K: 0, _T.Q6_K: 32}
+CRUMB_TYPES = frozenset({_T.Q2_K})  # values 0..3, in two bits
 LEVELS = {_T.IQ4_NL: IQ4_LEVELS, _T.IQ4_XS: IQ4_LEVELS, _T.MXFP4: MXFP4_LEVELS}  # -> the nibbles' dtype
 _FLOATS = {_T.F16: HALF, _T.BF16: BFLOAT}
 FLOAT_BLOCK = 32  # F16/BF16: values per (unit) scale, the kernels' block

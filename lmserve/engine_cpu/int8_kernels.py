@@ -9,15 +9,16 @@ sums of the quantized values as llama.cpp's q8 blocks keep them, so a centered t
 gives the same terms either way. Nibbles, six- and two-bit values with FACTORED scales (Q4_K, Q3_K;
 Q5_K, Q6_K; Q2_K) round x per superblock of 256 values instead, as llama.cpp's Q8_K does: the int8
 sub-block scales then multiply the int32 products in integers (`vpdpwssd`), and one float
-multiply-add a superblock replaces one a block (`by_superblock`). Rows are independent, and their blocks are summed in one order whatever
-rows share the call, so a row's result does not depend on what it is batched with.
+multiply-add a superblock replaces one a block (`by_superblock`). Rows are independent, and their
+blocks are summed in one order whatever rows share the call, so a row's result does not depend on
+what it is batched with.
 
 Values are read 128 at a time with 512-bit vectors, then 32 at a time with 128-bit ones past the
 last whole 128. `vpdpbusd` multiplies unsigned bytes with signed ones: nibbles (0..15), six-bit
 values (0..63, a nibble and its 2 high bits put together) and two-bit ones (0..3) are the unsigned
-side against xq; int8
-weights, and the IQ4 and MXFP4 levels their nibbles index (looked up with `vpshufb`), are the
-signed side against xq + 128, less 128 times their own sum (one more `vpdpbusd`, against ones).
+side against xq; int8 weights, and the IQ4 and MXFP4 levels their nibbles index (looked up with
+`vpshufb`), are the signed side against xq + 128, less 128 times their own sum (one more
+`vpdpbusd`, against ones).
 For every packed form, x is stored in the order the nibbles' low and high halves split a
 128-value group (`_quantize`).
 
@@ -142,35 +143,30 @@ class _Step:
             self.maps = [[(part * self.bytes + 4 * lane) // size for lane in range(self.lanes)] for part in (0, 1)]
 
     def weights(self, qrow: ir.Value, first: ir.Value) -> list[ir.Value]:
-        """The row's two byte vectors from value `first` on: low and high nibbles (or their
-        table's levels, by `vpshufb`), or two int8 halves."""
+        """The row's two byte vectors from value `first` on: two int8 halves, or the nibbles' low
+        and high lanes: nibbles (or their table's levels, by `vpshufb`), nibbles with their 2 high
+        bits (SIXBITS) or 2-bit values alone (CRUMBS; these two in whole WIDE groups)."""
         b, vector = self.b, _vector(I8, self.bytes)
-        if self.sixbits:
-            return self._sixbit_weights(qrow, first)
-        if self.crumbs:  # a WIDE group's 32 bytes
-            at = b.mul(b.udiv(first, ir.Constant(I64, qmatrix.SIXBIT_GROUP)), ir.Constant(I64, self.bytes // 2))
-            return self._two_bits(b.bitcast(qrow, I8.as_pointer()), at, 0)
         if not self.nibble_order:
             return [self.k.load_vector(qrow, b.add(first, ir.Constant(I64, p * self.bytes)), vector) for p in (0, 1)]
-        packed = self.k.load_vector(b.bitcast(qrow, I8.as_pointer()), b.lshr(first, ir.Constant(I64, 1)), vector)
+        data = b.bitcast(qrow, I8.as_pointer())
+        if self.sixbits or self.crumbs:
+            group_bytes = qmatrix.SIXBIT_BYTES if self.sixbits else qmatrix.CRUMB_BYTES
+            at = b.mul(b.udiv(first, ir.Constant(I64, qmatrix.SIXBIT_GROUP)), ir.Constant(I64, group_bytes))
+            if self.crumbs:
+                return self._two_bits(data, at, 0)
+        else:
+            at = b.lshr(first, ir.Constant(I64, 1))
+        packed = self.k.load_vector(data, at, vector)
         nibbles = [b.and_(packed, ir.Constant(vector, [0x0F] * self.bytes)),
                    b.lshr(packed, ir.Constant(vector, [4] * self.bytes))]
+        if self.sixbits:
+            tops = self._two_bits(data, b.add(at, ir.Constant(I64, self.bytes)), 4)
+            return [b.or_(n, t) for n, t in zip(nibbles, tops, strict=True)]
         if self.table is None:
             return nibbles
         levels = ir.Constant(vector, [level & 0xFF for level in self.table] * (self.bytes // 16))
         return [b.call(self.shuffle, [levels, n]) for n in nibbles]
-
-    def _sixbit_weights(self, qrow: ir.Value, first: ir.Value) -> list[ir.Value]:
-        """A SIXBITS group's two 64-byte vectors (`first` a WIDE group's start): its nibbles, each
-        with its 2 high bits from the 32 bytes past them (`qmatrix.SIXBITS`)."""
-        b, vector = self.b, _vector(I8, self.bytes)
-        at = b.mul(b.udiv(first, ir.Constant(I64, qmatrix.SIXBIT_GROUP)), ir.Constant(I64, qmatrix.SIXBIT_BYTES))
-        data = b.bitcast(qrow, I8.as_pointer())
-        packed = self.k.load_vector(data, at, vector)
-        low = b.and_(packed, ir.Constant(vector, [0x0F] * self.bytes))
-        high = b.lshr(packed, ir.Constant(vector, [4] * self.bytes))
-        tops = self._two_bits(data, b.add(at, ir.Constant(I64, self.bytes)), 4)
-        return [b.or_(low, tops[0]), b.or_(high, tops[1])]
 
     def _two_bits(self, data: ir.Value, at: ir.Value, shift: int) -> list[ir.Value]:
         """The two 64-byte vectors of 2-bit values that the 32 bytes at byte `at` hold (SIXBITS'
@@ -455,20 +451,20 @@ def _quantize_row(x, xq, dx, xsum, r, size, group, layout):  # noqa: ANN001, ANN
 
 def by_superblock(values: np.dtype, scales: np.dtype) -> bool:
     """Whether x is rounded a superblock at a time for a matrix of these dtypes (`_quantize`), and
-    its product is `_dots`' `superblocks_of`: nibbles and six-bit values with FACTORED scales.
-    int8 values keep a dx a block: IQ4_XS's (up to 127) would overflow `vpdpwssd`'s int16 (figures:
-    docs/PERFORMANCE.md, measurements behind code choices)."""
+    its product is `_dots`' `superblocks_of`: the unsigned packed forms (nibbles, six and two bits)
+    with FACTORED scales. Signed values keep a dx a block: IQ4_XS's (up to 127) would overflow
+    `vpdpwssd`'s int16 (figures: docs/PERFORMANCE.md, measurements behind code choices)."""
     return x_layout(values) == NIBBLE_SIGNED and scales == FACTORED
 
 
 def times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray) -> np.ndarray:
-    """`kernels.times` for int8 and nibble values."""
+    """`kernels.times` for the integer forms (`takes`)."""
     return _times(x, q, scale, offset, supers, x_layout(q.dtype), by_superblock(q.dtype, scale.dtype))
 
 
 def grouped_times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray,
                   experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
-    """`kernels.grouped_times` for int8 and nibble values."""
+    """`kernels.grouped_times` for the integer forms (`takes`)."""
     return _grouped_times(x, q, scale, offset, supers, x_layout(q.dtype), by_superblock(q.dtype, scale.dtype), experts,
                           firsts)
 

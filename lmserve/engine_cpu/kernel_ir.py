@@ -11,7 +11,16 @@ from numba import types
 from numba.core import cgutils
 from numba.np.numpy_support import as_dtype
 
-from lmserve.engine_cpu.qmatrix import ENCODINGS, SIXBIT_BYTES, SIXBIT_GROUP, SUPERBLOCK, TABLES
+from lmserve.engine_cpu.qmatrix import (
+    CRUMB_BYTES,
+    CRUMBS,
+    ENCODINGS,
+    SIXBIT_BYTES,
+    SIXBIT_GROUP,
+    SIXBITS,
+    SUPERBLOCK,
+    TABLES,
+)
 
 LANES = 16  # float32 values per vector: one AVX-512 register, two AVX2 ones, four NEON ones
 F32, I8, I32, I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
@@ -78,9 +87,10 @@ class Builder:
         """The `size` values of argument `q`'s row `qrow` from value `first` on (a block's
         start), as float32 vectors of LANES values, decoded as the argument's dtype says."""
         b, dtype = self.b, self.dtypes[q]
-        if dtype in (types.uint32, types.uint64):  # SIXBITS, CRUMBS
-            return self._two_bit_values(qrow, first, size, dtype == types.uint64)
-        table = TABLES.get(as_dtype(dtype))
+        form = as_dtype(dtype)
+        if form in (SIXBITS, CRUMBS):
+            return self._two_bit_values(qrow, first, size, form == CRUMBS)
+        table = TABLES.get(form)
         if dtype == types.uint8 or table:  # 16 bytes hold 32 values: the low nibbles, then the high ones
             group = b.and_(first, ir.Constant(I64, -NIBBLE_GROUP))
             packed = self.load_vector(b.bitcast(qrow, I8.as_pointer()), b.lshr(group, ir.Constant(I64, 1)), VQ)
@@ -128,8 +138,8 @@ class Builder:
         data = b.bitcast(qrow, I8.as_pointer())
         group, within = (b.udiv(first, ir.Constant(I64, SIXBIT_GROUP)), b.urem(first, ir.Constant(I64, SIXBIT_GROUP)))
         chunk = b.udiv(within, ir.Constant(I64, NIBBLE_GROUP))
-        base = b.mul(group, ir.Constant(I64, 32 if crumbs else SIXBIT_BYTES))
-        tops_at = base if crumbs else b.add(base, ir.Constant(I64, 64))
+        base = b.mul(group, ir.Constant(I64, CRUMB_BYTES if crumbs else SIXBIT_BYTES))
+        tops_at = base if crumbs else b.add(base, ir.Constant(I64, SIXBIT_BYTES - CRUMB_BYTES))
         tops = self.load_vector(data, b.add(tops_at, b.mul(b.and_(chunk, ir.Constant(I64, 1)), ir.Constant(I64, 16))), VQ)
         shift = b.trunc(b.shl(b.lshr(chunk, ir.Constant(I64, 1)), ir.Constant(I64, 1)), I8)
         three, fifteen = ir.Constant(VQ, [3] * LANES), ir.Constant(VQ, [0x0F] * LANES)

@@ -1,13 +1,12 @@
 """Compiled kernels for quantized matrices: values with a float32 scale and offset per block.
 
 Decode reads every weight once per step, so it runs at the speed weights stream through the
-cores: float32 weights cost 4 bytes a value, these 0.59-2.25. The values array's dtype says how it
-holds them (`qmatrix.ENCODINGS`): int8 one a byte, uint8 two 4-bit ones a byte, uint32 16
-six-bit ones in three words, int16 float16 bits, uint16 bfloat16 bits; each kernel is compiled per
-dtype. NumPy has no matrix product for int8
-times float32, and Numba's loop vectorizer leaves these loops scalar, so the inner loops are
-written as LLVM vector IR through Numba intrinsics: a decode step's products then beat float32
-weights' for one row, and by more for four. Numba's `prange` runs them on OpenMP threads, whose
+cores: float32 weights cost 4 bytes a value, these 0.41-2.25. The values array's dtype says how it
+holds them (`qmatrix.ENCODINGS`: int8 one a byte, uint8 two 4-bit ones a byte, and so on); each
+kernel is compiled per dtype. NumPy has no matrix product for int8 times float32, and Numba's loop
+vectorizer leaves these loops scalar, so the inner loops are written as LLVM vector IR through
+Numba intrinsics: a decode step's products then beat float32 weights' for one row, and by more
+for four. Numba's `prange` runs them on OpenMP threads, whose
 launches are cheap (its own work queue costs more than a small matrix: without OpenMP or TBB
 `available()` is False and the engine keeps float32 weights). Figures: docs/PERFORMANCE.md,
 measurements behind code choices.

@@ -48,6 +48,7 @@ NIBBLES = np.dtype(np.uint8)  # two: value i of a block of 32 in the low half, v
 SIXBITS = np.dtype(np.uint32)
 SIXBIT_GROUP, SIXBIT_BYTES = 128, 96  # values in a group, and its bytes (64 of nibbles, 32 of highs)
 CRUMBS = np.dtype(np.uint64)  # values of 0-3 (Q2_K), 128 in 32 bytes laid out as SIXBITS' high bits
+CRUMB_BYTES = 32  # a group's bytes in CRUMBS, and SIXBITS' last 32
 # Nibbles laid out as NIBBLES' that index a 16-entry int8 table, the non-linear 4-bit types' levels;
 # the dtype names the table (`TABLES`), which the kernels look each nibble up in.
 IQ4_LEVELS = np.dtype(np.int32)  # IQ4_NL's and IQ4_XS's: 8 nibbles an element
