@@ -194,16 +194,17 @@ def test_kept_bytes_are_what_the_encoding_says(qtype: GGMLQuantizationType) -> N
         assert matrix.nbytes <= 1.06 * (8 * 512 // block * type_size)
 
 
-def test_types_of_three_or_four_bits_take_half_a_byte_a_value_and_q2_k_a_quarter() -> None:
-    """The non-linear ones too (IQ4_NL, IQ4_XS, MXFP4: their levels' indices); Q2_K, whose
-    scales then take a third of its bytes, within 26% of the file."""
-    for qtype in (T.Q4_0, T.Q4_1, T.Q4_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4):
+def test_four_bit_types_take_half_a_byte_a_value_q3_k_three_eighths_and_q2_k_a_quarter() -> None:
+    """The non-linear ones too (IQ4_NL, IQ4_XS, MXFP4: their levels' indices); Q3_K and Q2_K,
+    whose scales then take a good part of their bytes, within 26% of the file."""
+    for qtype in (T.Q4_0, T.Q4_1, T.Q4_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4):
         matrix, _ = encoded_matrix(qtype, 8, 256)
         assert matrix.q.nbytes == 8 * 256 // 2
-    matrix, _ = encoded_matrix(T.Q2_K, 8, 256)
-    assert matrix.q.nbytes == 8 * 256 // 4
-    block, type_size = GGML_QUANT_SIZES[T.Q2_K]
-    assert matrix.nbytes <= 1.26 * (8 * 256 // block * type_size)
+    for qtype, eighths in ((T.Q3_K, 3), (T.Q2_K, 2)):
+        matrix, _ = encoded_matrix(qtype, 8, 256)
+        assert matrix.q.nbytes == 8 * 256 * eighths // 8
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        assert matrix.nbytes <= 1.26 * (8 * 256 // block * type_size)
 
 
 def test_five_and_six_bit_k_quants_take_three_quarters_of_a_byte_a_value() -> None:

@@ -3,9 +3,9 @@
 Decode reads every weight once a step, so the bytes a value takes decide its speed; each type
 keeps the file's own values in the fewest bytes the kernels can read (`qmatrix.ENCODINGS`):
 
-- types of 3 or 4 bits with evenly spaced levels (Q4_0, Q4_1, Q4_K, Q3_K): packed nibbles, 0.5
-  byte a value plus a scale and offset per block (32; 16 for Q3_K).
-- Q2_K: two bits, 0.25 byte a value (`qmatrix.CRUMBS`).
+- the 4-bit types with evenly spaced levels (Q4_0, Q4_1, Q4_K): packed nibbles, 0.5 byte a value
+  plus a scale and offset per block of 32.
+- Q3_K: three bits, 0.375 byte a value (`qmatrix.THREEBITS`), and Q2_K two, 0.25 (`qmatrix.CRUMBS`).
   Centered levels are shifted up: Q4_0's `d*(q-8)` becomes `d*q - 8*d`, exact in float32 (a
   float16 times a 4-bit integer, and times 8), Q3_K's `s*(q-4)` likewise.
 - the 5- and 6-bit K-quants (Q5_K, Q6_K): six bits, 0.75 byte a value (`qmatrix.SIXBITS`), Q6_K's
@@ -46,14 +46,17 @@ from lmserve.engine_cpu.qmatrix import (
     SIXBITS,
     SUPERBLOCK,
     TABLES,
+    THREEBITS,
 )
 from lmserve.engine_cpu.quant_blocks import FACTORED_TYPES, SUPPORTED, unpack_factored
 
 _T = GGMLQuantizationType
-# Types packed as nibbles (PACKED_ZERO), or in six bits (SIXBIT_ZERO) -> the level their unpacked
-# int8 values are centered on.
-PACKED_ZERO = {_T.Q4_0: 8, _T.Q4_1: 0, _T.Q4_K: 0, _T.Q3_K: 4}
+# Types packed as nibbles (PACKED_ZERO), in three bits (THREEBIT_ZERO) or six (SIXBIT_ZERO) -> the
+# level their unpacked int8 values are centered on.
+PACKED_ZERO = {_T.Q4_0: 8, _T.Q4_1: 0, _T.Q4_K: 0}
+THREEBIT_ZERO = {_T.Q3_K: 4}
 SIXBIT_ZERO = {_T.Q5_K: 0, _T.Q6_K: 32}
+ZERO = PACKED_ZERO | THREEBIT_ZERO | SIXBIT_ZERO
 CRUMB_TYPES = frozenset({_T.Q2_K})  # values 0..3, in two bits
 LEVELS = {_T.IQ4_NL: IQ4_LEVELS, _T.IQ4_XS: IQ4_LEVELS, _T.MXFP4: MXFP4_LEVELS}  # -> the nibbles' dtype
 _FLOATS = {_T.F16: HALF, _T.BF16: BFLOAT}
@@ -84,7 +87,7 @@ def encoding_of(qtype: GGMLQuantizationType, columns: int) -> Encoding | None:
     if qtype not in SUPPORTED:
         return None
     scales = FACTORED if qtype in FACTORED_TYPES else FLOAT if qtype == _T.MXFP4 else HALF_SCALES
-    values = (NIBBLES if qtype in PACKED_ZERO else SIXBITS if qtype in SIXBIT_ZERO
+    values = (NIBBLES if qtype in PACKED_ZERO else THREEBITS if qtype in THREEBIT_ZERO else SIXBITS if qtype in SIXBIT_ZERO
               else CRUMBS if qtype in CRUMB_TYPES else LEVELS.get(qtype, INT8))
     return Encoding(values, SUPPORTED[qtype], scales)
 
@@ -97,15 +100,15 @@ def encode(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> Parts
         blocks = (len(rows), columns // FLOAT_BLOCK)
         return q, _halves(np.ones(blocks, np.float32)), _halves(np.zeros(blocks, np.float32)), _no_supers(len(rows))
     q, scale, offset, supers = unpack_factored(rows, qtype, columns)
-    zero = PACKED_ZERO.get(qtype, SIXBIT_ZERO.get(qtype, 0))
+    zero = ZERO.get(qtype, 0)
     if zero and supers is not None:  # Q3_K, Q6_K: `s*(q-4)` = `s*q - 4*s`, the offset's factor -4 times the scale's
         offset = scale
         supers[:, 1::2] = np.float32(-zero) * supers[:, 0::2]
     elif zero:  # Q4_0
         offset = offset - np.float32(zero) * scale
-    if qtype in PACKED_ZERO or qtype in SIXBIT_ZERO:
-        levels = q.view(np.uint8) + np.uint8(zero)  # 0..15 or 0..63 (uint8 arithmetic wraps -8..-1 right)
-        q = _nibbles(levels) if qtype in PACKED_ZERO else _sixbits(levels)
+    if qtype in ZERO:
+        levels = q.view(np.uint8) + np.uint8(zero)  # 0..7, 0..15 or 0..63 (uint8 arithmetic wraps -8..-1 right)
+        q = _nibbles(levels) if qtype in PACKED_ZERO else _threebits(levels) if qtype in THREEBIT_ZERO else _sixbits(levels)
     elif qtype in CRUMB_TYPES:
         q = _crumbs(q.view(np.uint8))
     elif qtype in LEVELS:
@@ -138,6 +141,16 @@ def _sixbits(levels: np.ndarray) -> np.ndarray:
     nibbles = _nibbles(groups.reshape(-1, SIXBIT_GROUP) & np.uint8(0x0F)).reshape(n, -1, 64)
     packed = np.concatenate([nibbles, _two_bits(groups >> np.uint8(4))], axis=-1)
     return np.ascontiguousarray(packed.reshape(n, groups.shape[1] * SIXBIT_BYTES)).view(SIXBITS)
+
+
+def _threebits(levels: np.ndarray) -> np.ndarray:
+    """Values 0..7 `[n, columns]` (columns whole groups of 128) as `qmatrix.THREEBITS`."""
+    n = len(levels)
+    groups = levels.reshape(n, -1, SIXBIT_GROUP)
+    halves = (groups >> np.uint8(2)).reshape(n, -1, 4, 2, 16)  # [block of 32, its half, value]: the high bits
+    masks = [np.packbits(halves[:, :, :, half].reshape(n, -1, 64), axis=-1, bitorder="little") for half in (0, 1)]
+    packed = np.concatenate([_two_bits(groups & np.uint8(3)), *masks], axis=-1)
+    return np.ascontiguousarray(packed.reshape(n, -1)).view(THREEBITS)
 
 
 def _crumbs(levels: np.ndarray) -> np.ndarray:

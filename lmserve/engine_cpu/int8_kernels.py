@@ -6,8 +6,8 @@ activations). These quantize each row of x to int8 per weight block first (`dx *
 then multiply the weights' integers with it in int32: AVX-512 VNNI's `vpdpbusd` does 64 byte
 products an instruction. A block's term is `scale * dx * (q . xq) + offset * dx * sum(xq)`, the
 sums of the quantized values as llama.cpp's q8 blocks keep them, so a centered type's `d*(q-8)`
-gives the same terms either way. Nibbles, six- and two-bit values with FACTORED scales (Q4_K, Q3_K;
-Q5_K, Q6_K; Q2_K) round x per superblock of 256 values instead, as llama.cpp's Q8_K does: the int8
+gives the same terms either way. Nibbles, six-, three- and two-bit values with FACTORED scales
+(Q4_K; Q5_K, Q6_K; Q3_K; Q2_K) round x per superblock of 256 values instead, as llama.cpp's Q8_K does: the int8
 sub-block scales then multiply the int32 products in integers (`vpdpwssd`), and one float
 multiply-add a superblock replaces one a block (`by_superblock`). Rows are independent, and their
 blocks are summed in one order whatever rows share the call, so a row's result does not depend on
@@ -15,8 +15,8 @@ what it is batched with.
 
 Values are read 128 at a time with 512-bit vectors, then 32 at a time with 128-bit ones past the
 last whole 128. `vpdpbusd` multiplies unsigned bytes with signed ones: nibbles (0..15), six-bit
-values (0..63, a nibble and its 2 high bits put together) and two-bit ones (0..3) are the unsigned
-side against xq; int8 weights, and the IQ4 and MXFP4 levels their nibbles index (looked up with
+values (0..63, a nibble and its 2 high bits put together), three-bit ones (0..7, 2 bits and a
+mask bit) and two-bit ones (0..3) are the unsigned side against xq; int8 weights, and the IQ4 and MXFP4 levels their nibbles index (looked up with
 `vpshufb`), are the signed side against xq + 128, less 128 times their own sum (one more
 `vpdpbusd`, against ones).
 For every packed form, x is stored in the order the nibbles' low and high halves split a
@@ -41,7 +41,7 @@ from numba.np.numpy_support import as_dtype
 
 from lmserve.engine_cpu import qmatrix
 from lmserve.engine_cpu.kernel_ir import F32, I8, I16, I32, I64, OUTS, Builder
-from lmserve.engine_cpu.qmatrix import CRUMBS, FACTORED, INT8, NIBBLES, SIXBITS, SUPERBLOCK, TABLES
+from lmserve.engine_cpu.qmatrix import CRUMBS, FACTORED, INT8, NIBBLES, SIXBITS, SUPERBLOCK, TABLES, THREEBITS
 from lmserve.model.gguf_file import ModelLoadError
 
 WIDE, NARROW = 128, 32  # values a step: 512-bit vectors, then 128-bit ones past the last whole WIDE
@@ -85,7 +85,7 @@ def takes(values: np.dtype) -> bool:
     return ENABLED and (values == INT8 or values in UNSIGNED or values in TABLES)
 
 
-UNSIGNED = (NIBBLES, SIXBITS, CRUMBS)  # the forms whose values are the unsigned side of `vpdpbusd`
+UNSIGNED = (NIBBLES, SIXBITS, CRUMBS, THREEBITS)  # the forms whose values are the unsigned side of `vpdpbusd`
 # How `_quantize` stores x for a matrix's values (`x_layout`): in their order, as xq + 128 (the
 # unsigned side, against signed weights), or as xq in the nibbles' lane order.
 NATURAL, NIBBLE_SIGNED, NIBBLE_OFFSET = 0, 1, 2
@@ -115,12 +115,13 @@ def _vector(element: ir.Type, count: int) -> ir.VectorType:
 
 class _Step:
     """One step's IR: `width` values of a matrix row of dtype `values` against int8 x rows, block
-    size `size`. Every form but INT8 is in the nibbles' lane order; NIBBLES, SIXBITS and CRUMBS
-    are unsigned (x the signed side), INT8 and the tables' levels signed (x + 128 the unsigned side)."""
+    size `size`. Every form but INT8 is in the nibbles' lane order; NIBBLES, SIXBITS, THREEBITS and
+    CRUMBS are unsigned (x the signed side), INT8 and the tables' levels signed (x + 128 the unsigned side)."""
 
     def __init__(self, k: Builder, width: int, size: int, values: np.dtype) -> None:
         self.k, self.b, self.width, self.size = k, k.b, width, size
-        self.sixbits, self.crumbs, self.table = values == SIXBITS, values == CRUMBS, TABLES.get(values)
+        self.sixbits, self.table = values == SIXBITS, TABLES.get(values)
+        self.crumbs, self.threebits = values in (CRUMBS, THREEBITS), values == THREEBITS
         self.unsigned = values in UNSIGNED
         self.nibble_order = values != INT8
         self.bytes = width // 2  # bytes a vector: a 512-bit one for WIDE, 128-bit for NARROW
@@ -145,14 +146,18 @@ class _Step:
     def weights(self, qrow: ir.Value, first: ir.Value) -> list[ir.Value]:
         """The row's two byte vectors from value `first` on: two int8 halves, or the nibbles' low
         and high lanes: nibbles (or their table's levels, by `vpshufb`), nibbles with their 2 high
-        bits (SIXBITS) or 2-bit values alone (CRUMBS; these two in whole WIDE groups)."""
+        bits (SIXBITS), 2-bit values with their high bit (THREEBITS) or alone (CRUMBS; these three
+        in whole WIDE groups)."""
         b, vector = self.b, _vector(I8, self.bytes)
         if not self.nibble_order:
             return [self.k.load_vector(qrow, b.add(first, ir.Constant(I64, p * self.bytes)), vector) for p in (0, 1)]
         data = b.bitcast(qrow, I8.as_pointer())
         if self.sixbits or self.crumbs:
-            group_bytes = qmatrix.SIXBIT_BYTES if self.sixbits else qmatrix.CRUMB_BYTES
+            group_bytes = (qmatrix.SIXBIT_BYTES if self.sixbits else qmatrix.THREEBIT_BYTES if self.threebits
+                           else qmatrix.CRUMB_BYTES)
             at = b.mul(b.udiv(first, ir.Constant(I64, qmatrix.SIXBIT_GROUP)), ir.Constant(I64, group_bytes))
+            if self.threebits:
+                return self._with_high_bits(self._two_bits(data, at, 0), data, at)
             if self.crumbs:
                 return self._two_bits(data, at, 0)
         else:
@@ -183,6 +188,17 @@ class _Step:
 
         both = ir.Constant(_vector(I32, self.bytes), list(range(self.bytes)))
         return [b.shuffle_vector(field(0), field(1), both), b.shuffle_vector(field(2), field(3), both)]
+
+    def _with_high_bits(self, crumbs: list[ir.Value], data: ir.Value, at: ir.Value) -> list[ir.Value]:
+        """THREEBITS' values: the group at byte `at`'s 2-bit values `crumbs` with 4 added where
+        their 64-bit mask has the lane's bit (one `kmovq` and a masked byte add a vector)."""
+        b, vector = self.b, _vector(I8, self.bytes)
+        four = ir.Constant(vector, [4] * self.bytes)
+        values = []
+        for half, low in enumerate(crumbs):
+            word = self.k.load_vector(data, b.add(at, ir.Constant(I64, qmatrix.CRUMB_BYTES + 8 * half)), I64)
+            values.append(b.select(b.bitcast(word, _vector(ir.IntType(1), self.bytes)), b.or_(low, four), low))
+        return values
 
     def weight_sums(self, weights: list[ir.Value]) -> list[ir.Value] | None:
         """Signed weights: 128 times their sums per lane, to take off the products with x + 128."""
@@ -451,8 +467,8 @@ def _quantize_row(x, xq, dx, xsum, r, size, group, layout):  # noqa: ANN001, ANN
 
 def by_superblock(values: np.dtype, scales: np.dtype) -> bool:
     """Whether x is rounded a superblock at a time for a matrix of these dtypes (`_quantize`), and
-    its product is `_dots`' `superblocks_of`: the unsigned packed forms (nibbles, six and two bits)
-    with FACTORED scales. Signed values keep a dx a block: IQ4_XS's (up to 127) would overflow
+    its product is `_dots`' `superblocks_of`: the unsigned packed forms (nibbles, six, three and two
+    bits) with FACTORED scales. Signed values keep a dx a block: IQ4_XS's (up to 127) would overflow
     `vpdpwssd`'s int16 (figures: docs/PERFORMANCE.md, measurements behind code choices)."""
     return x_layout(values) == NIBBLE_SIGNED and scales == FACTORED
 

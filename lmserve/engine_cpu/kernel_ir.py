@@ -20,6 +20,8 @@ from lmserve.engine_cpu.qmatrix import (
     SIXBITS,
     SUPERBLOCK,
     TABLES,
+    THREEBIT_BYTES,
+    THREEBITS,
 )
 
 LANES = 16  # float32 values per vector: one AVX-512 register, two AVX2 ones, four NEON ones
@@ -88,8 +90,8 @@ class Builder:
         start), as float32 vectors of LANES values, decoded as the argument's dtype says."""
         b, dtype = self.b, self.dtypes[q]
         form = as_dtype(dtype)
-        if form in (SIXBITS, CRUMBS):
-            return self._two_bit_values(qrow, first, size, form == CRUMBS)
+        if form in (SIXBITS, CRUMBS, THREEBITS):
+            return self._two_bit_values(qrow, first, size, form)
         table = TABLES.get(form)
         if dtype == types.uint8 or table:  # 16 bytes hold 32 values: the low nibbles, then the high ones
             group = b.and_(first, ir.Constant(I64, -NIBBLE_GROUP))
@@ -129,34 +131,42 @@ class Builder:
             values = [b.select(set_, values[i + 1], values[i]) for i in range(0, len(values), 2)]
         return values[0]
 
-    def _two_bit_values(self, qrow: ir.Value, first: ir.Value, size: int, crumbs: bool) -> list[ir.Value]:
-        """`block_values` of a SIXBITS or CRUMBS row: block c (of 32) of a group has its 2-bit
-        values (SIXBITS: the high bits) in 16 bytes of the group's 32 at (c % 2) * 16, shifted by
-        2 * (c // 2) for the nibbles' low halves' values and 4 more for the high ones'; SIXBITS
-        keeps the nibbles in the 16 bytes at c * 16 before them."""
+    def _two_bit_values(self, qrow: ir.Value, first: ir.Value, size: int, form: object) -> list[ir.Value]:
+        """`block_values` of a SIXBITS, CRUMBS or THREEBITS row: block c (of 32) of a group has its
+        2-bit values (SIXBITS: the high bits) in 16 bytes of the group's 32 at (c % 2) * 16, shifted
+        by 2 * (c // 2) for the nibbles' low halves' values and 4 more for the high ones'; SIXBITS
+        keeps the nibbles in the 16 bytes at c * 16 before them, THREEBITS the high bits in the 2
+        bytes at 32 + 2 * c after them (the low halves') and 40 + 2 * c (the high halves')."""
         b = self.b
         data = b.bitcast(qrow, I8.as_pointer())
         group, within = (b.udiv(first, ir.Constant(I64, SIXBIT_GROUP)), b.urem(first, ir.Constant(I64, SIXBIT_GROUP)))
         chunk = b.udiv(within, ir.Constant(I64, NIBBLE_GROUP))
-        base = b.mul(group, ir.Constant(I64, CRUMB_BYTES if crumbs else SIXBIT_BYTES))
-        tops_at = base if crumbs else b.add(base, ir.Constant(I64, SIXBIT_BYTES - CRUMB_BYTES))
+        sixbits, threebits = form == SIXBITS, form == THREEBITS
+        base = b.mul(group, ir.Constant(I64, SIXBIT_BYTES if sixbits else THREEBIT_BYTES if threebits else CRUMB_BYTES))
+        tops_at = b.add(base, ir.Constant(I64, SIXBIT_BYTES - CRUMB_BYTES)) if sixbits else base
         tops = self.load_vector(data, b.add(tops_at, b.mul(b.and_(chunk, ir.Constant(I64, 1)), ir.Constant(I64, 16))), VQ)
         shift = b.trunc(b.shl(b.lshr(chunk, ir.Constant(I64, 1)), ir.Constant(I64, 1)), I8)
-        three, fifteen = ir.Constant(VQ, [3] * LANES), ir.Constant(VQ, [0x0F] * LANES)
-        packed = None if crumbs else self.load_vector(data, b.add(base, b.mul(chunk, ir.Constant(I64, 16))), VQ)
+        three, four = ir.Constant(VQ, [3] * LANES), ir.Constant(VQ, [4] * LANES)
+        packed = self.load_vector(data, b.add(base, b.mul(chunk, ir.Constant(I64, 16))), VQ) if sixbits else None
+        masks_at = b.add(base, b.add(b.mul(chunk, ir.Constant(I64, 2)), ir.Constant(I64, CRUMB_BYTES)))
 
-        def values(nibbles: ir.Value | None, top_shift: ir.Value) -> ir.Value:
-            tops_of = b.and_(b.lshr(tops, self.splat(top_shift)), three)
-            if nibbles is None:
-                return b.uitofp(tops_of, VF)
-            return b.uitofp(b.or_(nibbles, b.shl(tops_of, ir.Constant(VQ, [4] * LANES))), VF)
+        def half(nibble_shift: ir.Value, mask_offset: ir.Value) -> ir.Value:
+            """The values of the low halves' lanes (shift 0, offset 0) or the high ones' (4, 8)."""
+            tops_of = b.and_(b.lshr(tops, self.splat(b.add(shift, nibble_shift))), three)
+            if sixbits:
+                nibbles = b.and_(b.lshr(packed, self.splat(nibble_shift)), ir.Constant(VQ, [0x0F] * LANES))
+                return b.uitofp(b.or_(nibbles, b.shl(tops_of, four)), VF)
+            if threebits:
+                mask = b.bitcast(self.load_vector(data, b.add(masks_at, mask_offset), I16), ir.VectorType(ir.IntType(1), LANES))
+                return b.uitofp(b.select(mask, b.or_(tops_of, four), tops_of), VF)
+            return b.uitofp(tops_of, VF)
 
-        low = values(None if crumbs else b.and_(packed, fifteen), shift)
-        high = values(None if crumbs else b.lshr(packed, ir.Constant(VQ, [4] * LANES)), b.add(shift, ir.Constant(I8, 4)))
         if size == NIBBLE_GROUP:
-            return [low, high]
+            return [half(ir.Constant(I8, 0), ir.Constant(I64, 0)), half(ir.Constant(I8, 4), ir.Constant(I64, 8))]
+        # A block of 16: only its own half is decoded.
         second = b.icmp_unsigned("!=", b.urem(within, ir.Constant(I64, NIBBLE_GROUP)), ir.Constant(I64, 0))
-        return [b.select(second, high, low)]
+        return [half(b.select(second, ir.Constant(I8, 4), ir.Constant(I8, 0)),
+                     b.select(second, ir.Constant(I64, 8), ir.Constant(I64, 0)))]
 
     def splat(self, value: ir.Value, width: int = LANES) -> ir.Value:
         vector = ir.VectorType(value.type, width)

@@ -49,6 +49,11 @@ SIXBITS = np.dtype(np.uint32)
 SIXBIT_GROUP, SIXBIT_BYTES = 128, 96  # values in a group, and its bytes (64 of nibbles, 32 of highs)
 CRUMBS = np.dtype(np.uint64)  # values of 0-3 (Q2_K), 128 in 32 bytes laid out as SIXBITS' high bits
 CRUMB_BYTES = 32  # a group's bytes in CRUMBS, and SIXBITS' last 32
+# Values of 0-7 (Q3_K), 128 in 48 bytes: their low 2 bits as CRUMBS' 32 bytes, then their high bits
+# as two 64-bit masks, bit j of the first for the nibbles' low-half lane j, of the second for the
+# high-half lane j (a mask register's lanes: `int8_kernels`). float64 is only the marker of the form.
+THREEBITS = np.dtype(np.float64)
+THREEBIT_BYTES = 48
 # Nibbles laid out as NIBBLES' that index a 16-entry int8 table, the non-linear 4-bit types' levels;
 # the dtype names the table (`TABLES`), which the kernels look each nibble up in.
 IQ4_LEVELS = np.dtype(np.int32)  # IQ4_NL's and IQ4_XS's: 8 nibbles an element
@@ -56,7 +61,7 @@ MXFP4_LEVELS = np.dtype(np.int64)  # MXFP4's: 16 an element
 TABLES = {IQ4_LEVELS: IQ4_VALUES, MXFP4_LEVELS: MXFP4_VALUES}
 HALF = np.dtype(np.int16)  # float16 bits
 BFLOAT = np.dtype(np.uint16)  # bfloat16 bits
-ENCODINGS = {INT8: (1, 1), NIBBLES: (2, 1), SIXBITS: (16, 3), CRUMBS: (32, 1), IQ4_LEVELS: (8, 1),
+ENCODINGS = {INT8: (1, 1), NIBBLES: (2, 1), SIXBITS: (16, 3), CRUMBS: (32, 1), THREEBITS: (64, 3), IQ4_LEVELS: (8, 1),
              MXFP4_LEVELS: (16, 1), HALF: (1, 1), BFLOAT: (1, 1)}
 
 
