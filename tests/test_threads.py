@@ -93,3 +93,28 @@ def test_without_trials_every_pass_keeps_every_thread() -> None:
     """A benchmark's sides of several-fold different pass times set off no trial of one thread."""
     tuner = ThreadTuner(2, lambda n, wide: None, 24, trials=False)
     assert run(tuner, IDLE, 50) + run(tuner, BUSY, 50) + run(tuner, IDLE, 50) == [2] * 150
+
+
+def test_a_new_pass_shape_starts_from_what_the_decode_steps_learned() -> None:
+    """With a core busy, a prompt or verify pass of a row count not seen before runs its first
+    pass with the count of the shape with the most passes (one thread), not every thread."""
+    tuner = ThreadTuner(2, lambda n, wide: None, 24)
+    run(tuner, IDLE, 1, rows=16)
+    run(tuner, BUSY, 50, rows=1)
+    assert tuner.choose(15) == 1 and tuner.choose(20) == 1
+    idle = ThreadTuner(2, lambda n, wide: None, 24)
+    run(idle, IDLE, 50, rows=1)
+    assert idle.choose(20) == 2
+
+
+def test_passes_past_the_narrow_rows_are_tuned_with_blas_on_their_count() -> None:
+    """A 64-row verify pass of four streams is tuned as a decode step is, and BLAS (whose
+    products such a pass makes) gets the pass's count, where a decode step's gets one thread."""
+    applied: list[tuple[int, bool]] = []
+    tuner = ThreadTuner(2, lambda n, wide: applied.append((n, wide)), 24, 128)
+    passes = run(tuner, BUSY, 30, rows=64)
+    assert passes.index(1) < 5 and passes[5:].count(2) <= 2  # a trial of two now and then
+    assert (1, True) in applied
+    run(tuner, BUSY, 1, rows=1)
+    assert applied[-1] == (1, False)
+    assert tuner.choose(256) == 0 and applied[-1] == (2, True)

@@ -46,6 +46,7 @@ class _Shape:
     until_trial: int = 2  # the first trial comes early: a busy machine is found out at once
     trial_left: int = 0  # passes of the running trial still to come
     trial_fastest: float = float("inf")  # the running trial's fastest pass so far
+    passes: int = 0  # passes of this shape so far
 
     def median(self) -> float:
         """The best count's median pass (it has run one)."""
@@ -53,18 +54,21 @@ class _Shape:
 
 
 class ThreadTuner:
-    """Picks the kernels' thread count of each pass of up to `tuned_rows` rows (decode, verify);
-    wider passes (prompt chunks: large BLAS products, whose threads pay off even on a busy
-    machine) run with every thread. `set_threads(count, wide)` applies a pass's count to the
-    calling thread."""
+    """Picks the kernels' thread count of each pass of up to `tuned_rows` rows (decode, verify,
+    short prompts), each row count on its own; wider passes (prompt chunks: large BLAS products,
+    whose threads pay off even on a busy machine) run with every thread. `set_threads(count,
+    wide)` applies a pass's count to the calling thread."""
 
-    def __init__(self, most: int, set_threads: Callable[[int, bool], None], tuned_rows: int,
-                 trials: bool = True) -> None:
-        """`trials` False: every pass keeps `most`, the count a tuned shape starts from (benchmarks
-        whose sides differ several-fold in pass time, which would set trials off and hand one
-        side's passes to one thread)."""
+    def __init__(self, most: int, set_threads: Callable[[int, bool], None], narrow_rows: int,
+                 tuned_rows: int | None = None, trials: bool = True) -> None:
+        """Passes of up to `narrow_rows` rows (decode steps) give BLAS one thread, wider tuned
+        ones (up to `tuned_rows`, default `narrow_rows`: verify passes of several streams, short
+        prompts) the pass's count: `set_threads(count, wide)`. `trials` False: every pass keeps
+        `most`, the count a tuned shape starts from (benchmarks whose sides differ several-fold in
+        pass time, which would set trials off and hand one side's passes to one thread)."""
         self.counts = tuple(sorted({1, most})) if trials else (most,)
-        self.tuned_rows = tuned_rows
+        self.narrow_rows = narrow_rows
+        self.tuned_rows = narrow_rows if tuned_rows is None else tuned_rows
         self._set = set_threads
         self._shapes: dict[int, _Shape] = {}
         self._applied = threading.local()  # the count set on each thread (Numba's is per thread)
@@ -75,16 +79,27 @@ class ThreadTuner:
         if rows > self.tuned_rows:
             self._apply(self.counts[-1], wide=True)
             return 0
-        shape = self._shapes.setdefault(rows, _Shape(best=self.counts[-1]))
+        shape = self._shapes.get(rows)
+        if shape is None:
+            shape = self._shapes[rows] = _Shape(best=self._first_count())
         if not shape.trial_left:
             shape.until_trial -= 1
             if shape.until_trial <= 0 and len(self.counts) > 1:
                 shape.trial_left, shape.trial_fastest = TRIAL_PASSES, float("inf")
+        shape.passes += 1
         count = shape.best
         if shape.trial_left:
             count = next(c for c in self.counts if c != shape.best)  # with two counts: the other one
-        self._apply(count, wide=False)
+        self._apply(count, wide=rows > self.narrow_rows)
         return count
+
+    def _first_count(self) -> int:
+        """A new shape's first count: the best of the shape that has run the most passes (the
+        decode steps', whose trials found out the machine's load), every thread when none has.
+        With a core busy, a new shape's first pass on every thread waited a time slice a region:
+        a served MoE's 20-row prompt took 150-190 ms, not 50."""
+        busiest = max(self._shapes.values(), key=lambda shape: shape.passes, default=None)
+        return self.counts[-1] if busiest is None else busiest.best
 
     def _apply(self, count: int, wide: bool) -> None:
         if getattr(self._applied, "setting", None) != (count, wide):
@@ -125,8 +140,8 @@ class ThreadTuner:
 
 def blas_threads() -> Callable[[int], None]:
     """Sets how many threads the BLAS NumPy uses runs with (process-wide: the decode thread is
-    its one caller during a pass). A tuned pass gives BLAS one: its products there are attention's
-    small ones, and two pools of spinning threads on two cores (OpenMP's kernels, OpenBLAS's)
+    its one caller during a pass). A decode step (a narrow pass) gives BLAS one: its products there
+    are attention's small ones, and two pools of spinning threads on two cores (OpenMP's kernels, OpenBLAS's)
     made an idle decode step at 4,096 cached tokens take 446 ms instead of 49."""
     from threadpoolctl import ThreadpoolController
 
