@@ -107,9 +107,9 @@ def test_a_new_pass_shape_starts_from_what_the_decode_steps_learned() -> None:
     assert idle.choose(20) == 2
 
 
-def test_passes_past_the_narrow_rows_are_tuned_with_blas_on_their_count() -> None:
-    """A 64-row verify pass of four streams is tuned as a decode step is, and BLAS (whose
-    products such a pass makes) gets the pass's count, where a decode step's gets one thread."""
+def test_passes_past_the_narrow_rows_are_tuned_and_told_they_are_wide() -> None:
+    """A 64-row verify pass of four streams is tuned as a decode step is, and applied as wide
+    (the engine's BLAS keeps every thread there, one in a decode step)."""
     applied: list[tuple[int, bool]] = []
     tuner = ThreadTuner(2, lambda n, wide: applied.append((n, wide)), 24, 128)
     passes = run(tuner, BUSY, 30, rows=64)

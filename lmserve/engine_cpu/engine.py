@@ -43,9 +43,9 @@ from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile
 
 FORWARD_CHUNK = 512  # prompt tokens a forward pass at most (`_pass_rows`)
-# Passes of up to this many rows have their thread count tuned (`ThreadTuner`): verify passes of
-# several streams and short prompts as well as decode steps. With a core busy, served MoE verify
-# passes of 32-64 rows on every thread took 400-770 ms where a 24-row pass on one took 59.
+# Passes of up to this many rows have their kernels' thread count tuned (`ThreadTuner`): verify
+# passes of several streams and short prompts as well as decode steps. With a core busy, served MoE
+# verify passes of 32-64 rows on every thread took 400-770 ms where a 24-row pass on one took 59.
 TUNED_ROWS = 128
 SCORES_BUDGET = 256 * 2**20  # bytes of a pass's attention scores past which its rows halve (a long prompt's)
 
@@ -92,8 +92,11 @@ class CPUEngine(Engine[CPUCache]):
             blas, most = blas_threads(), kernels.most_threads()
 
             def apply(count: int, wide: bool) -> None:
+                # BLAS keeps one count per shape whatever the load: a pass's results must not
+                # depend on it, and BLAS's long products (attention's mix past a few hundred
+                # positions) give other bits on other thread counts; the kernels' do not.
                 kernels.set_threads(count)
-                blas(count if wide else 1)
+                blas(most if wide else 1)
 
             self._threads = ThreadTuner(most, apply, KERNEL_ROWS, TUNED_ROWS, trials=tune_threads)
             self._halves = [decode_layer.compiled_halves(layer, config) for layer in self.weights.layers]

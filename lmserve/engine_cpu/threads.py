@@ -61,9 +61,10 @@ class ThreadTuner:
 
     def __init__(self, most: int, set_threads: Callable[[int, bool], None], narrow_rows: int,
                  tuned_rows: int | None = None, trials: bool = True) -> None:
-        """Passes of up to `narrow_rows` rows (decode steps) give BLAS one thread, wider tuned
-        ones (up to `tuned_rows`, default `narrow_rows`: verify passes of several streams, short
-        prompts) the pass's count: `set_threads(count, wide)`. `trials` False: every pass keeps
+        """Passes of up to `tuned_rows` rows (default `narrow_rows`: decode steps; more: verify
+        passes of several streams, short prompts) are tuned; `set_threads(count, wide)` is told
+        whether a pass is past `narrow_rows` (the engine gives BLAS one thread in a narrow pass,
+        every thread in a wide one). `trials` False: every pass keeps
         `most`, the count a tuned shape starts from (benchmarks whose sides differ several-fold in
         pass time, which would set trials off and hand one side's passes to one thread)."""
         self.counts = tuple(sorted({1, most})) if trials else (most,)
