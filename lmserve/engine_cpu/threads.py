@@ -64,9 +64,9 @@ class ThreadTuner:
         """Passes of up to `tuned_rows` rows (default `narrow_rows`: decode steps; more: verify
         passes of several streams, short prompts) are tuned; `set_threads(count, wide)` is told
         whether a pass is past `narrow_rows` (the engine gives BLAS one thread in a narrow pass,
-        every thread in a wide one). `trials` False: every pass keeps
-        `most`, the count a tuned shape starts from (benchmarks whose sides differ several-fold in
-        pass time, which would set trials off and hand one side's passes to one thread)."""
+        every thread in a wide one). `trials` False: every pass keeps `most`, the count a tuned
+        shape starts from (benchmarks whose sides differ several-fold in pass time, which would
+        set trials off and hand one side's passes to one thread)."""
         self.counts = tuple(sorted({1, most})) if trials else (most,)
         self.narrow_rows = narrow_rows
         self.tuned_rows = narrow_rows if tuned_rows is None else tuned_rows
@@ -141,9 +141,9 @@ class ThreadTuner:
 
 def blas_threads() -> Callable[[int], None]:
     """Sets how many threads the BLAS NumPy uses runs with (process-wide: the decode thread is
-    its one caller during a pass). A decode step (a narrow pass) gives BLAS one: its products there
-    are attention's small ones, and two pools of spinning threads on two cores (OpenMP's kernels, OpenBLAS's)
-    made an idle decode step at 4,096 cached tokens take 446 ms instead of 49."""
+    its one caller during a pass). A decode step (a narrow pass) gives BLAS one: its products
+    there are attention's small ones, and two pools of spinning threads on two cores (OpenMP's
+    kernels, OpenBLAS's) made an idle decode step at 4,096 cached tokens take 446 ms instead of 49."""
     from threadpoolctl import ThreadpoolController
 
     blas = ThreadpoolController().select(user_api="blas")
