@@ -51,14 +51,10 @@ from lmserve.engine_cpu.qmatrix import (
 from lmserve.engine_cpu.quant_blocks import FACTORED_TYPES, SUPPORTED, unpack_factored
 
 _T = GGMLQuantizationType
-# Types packed as nibbles (PACKED_ZERO), in three bits (THREEBIT_ZERO) or six (SIXBIT_ZERO) -> the
-# level their unpacked int8 values are centered on.
-PACKED_ZERO = {_T.Q4_0: 8, _T.Q4_1: 0, _T.Q4_K: 0}
-THREEBIT_ZERO = {_T.Q3_K: 4}
-SIXBIT_ZERO = {_T.Q5_K: 0, _T.Q6_K: 32}
-ZERO = PACKED_ZERO | THREEBIT_ZERO | SIXBIT_ZERO
-CRUMB_TYPES = frozenset({_T.Q2_K})  # values 0..3, in two bits
-LEVELS = {_T.IQ4_NL: IQ4_LEVELS, _T.IQ4_XS: IQ4_LEVELS, _T.MXFP4: MXFP4_LEVELS}  # -> the nibbles' dtype
+# Each packed type's form in memory (every other type `quant_blocks` unpacks is kept as int8).
+FORMS = {_T.Q4_0: NIBBLES, _T.Q4_1: NIBBLES, _T.Q4_K: NIBBLES, _T.Q3_K: THREEBITS, _T.Q2_K: CRUMBS,
+         _T.Q5_K: SIXBITS, _T.Q6_K: SIXBITS, _T.IQ4_NL: IQ4_LEVELS, _T.IQ4_XS: IQ4_LEVELS, _T.MXFP4: MXFP4_LEVELS}
+ZERO = {_T.Q4_0: 8, _T.Q3_K: 4, _T.Q6_K: 32}  # centered types -> the level their int8 values are shifted up by
 _FLOATS = {_T.F16: HALF, _T.BF16: BFLOAT}
 FLOAT_BLOCK = 32  # F16/BF16: values per (unit) scale, the kernels' block
 
@@ -87,9 +83,7 @@ def encoding_of(qtype: GGMLQuantizationType, columns: int) -> Encoding | None:
     if qtype not in SUPPORTED:
         return None
     scales = FACTORED if qtype in FACTORED_TYPES else FLOAT if qtype == _T.MXFP4 else HALF_SCALES
-    values = (NIBBLES if qtype in PACKED_ZERO else THREEBITS if qtype in THREEBIT_ZERO else SIXBITS if qtype in SIXBIT_ZERO
-              else CRUMBS if qtype in CRUMB_TYPES else LEVELS.get(qtype, INT8))
-    return Encoding(values, SUPPORTED[qtype], scales)
+    return Encoding(FORMS.get(qtype, INT8), SUPPORTED[qtype], scales)
 
 
 def encode(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> Parts:
@@ -106,13 +100,12 @@ def encode(rows: np.ndarray, qtype: GGMLQuantizationType, columns: int) -> Parts
         supers[:, 1::2] = np.float32(-zero) * supers[:, 0::2]
     elif zero:  # Q4_0
         offset = offset - np.float32(zero) * scale
-    if qtype in ZERO:
-        levels = q.view(np.uint8) + np.uint8(zero)  # 0..7, 0..15 or 0..63 (uint8 arithmetic wraps -8..-1 right)
-        q = _nibbles(levels) if qtype in PACKED_ZERO else _threebits(levels) if qtype in THREEBIT_ZERO else _sixbits(levels)
-    elif qtype in CRUMB_TYPES:
-        q = _crumbs(q.view(np.uint8))
-    elif qtype in LEVELS:
-        q = _nibbles(_indices(q, TABLES[LEVELS[qtype]])).view(LEVELS[qtype])
+    form = FORMS.get(qtype)
+    if form in TABLES:
+        q = _nibbles(_indices(q, TABLES[form])).view(form)
+    elif form is not None:
+        levels = q.view(np.uint8) + np.uint8(zero)  # 0..3, 0..7, 0..15 or 0..63 (uint8 arithmetic wraps -8..-1 right)
+        q = {NIBBLES: _nibbles, THREEBITS: _threebits, SIXBITS: _sixbits, CRUMBS: _crumbs}[form](levels)
     if supers is not None:
         return q, scale, offset, supers
     if encoding_of(qtype, columns).scales == HALF_SCALES:

@@ -7,18 +7,18 @@ then multiply the weights' integers with it in int32: AVX-512 VNNI's `vpdpbusd` 
 products an instruction. A block's term is `scale * dx * (q . xq) + offset * dx * sum(xq)`, the
 sums of the quantized values as llama.cpp's q8 blocks keep them, so a centered type's `d*(q-8)`
 gives the same terms either way. Nibbles, six-, three- and two-bit values with FACTORED scales
-(Q4_K; Q5_K, Q6_K; Q3_K; Q2_K) round x per superblock of 256 values instead, as llama.cpp's Q8_K does: the int8
-sub-block scales then multiply the int32 products in integers (`vpdpwssd`), and one float
-multiply-add a superblock replaces one a block (`by_superblock`). Rows are independent, and their
+(Q4_K; Q5_K, Q6_K; Q3_K; Q2_K) round x per superblock of 256 values instead, as llama.cpp's Q8_K
+does: the int8 sub-block scales then multiply the int32 products in integers (`vpdpwssd`), and one
+float multiply-add a superblock replaces one a block (`by_superblock`). Rows are independent, and their
 blocks are summed in one order whatever rows share the call, so a row's result does not depend on
 what it is batched with.
 
 Values are read 128 at a time with 512-bit vectors, then 32 at a time with 128-bit ones past the
 last whole 128. `vpdpbusd` multiplies unsigned bytes with signed ones: nibbles (0..15), six-bit
 values (0..63, a nibble and its 2 high bits put together), three-bit ones (0..7, 2 bits and a
-mask bit) and two-bit ones (0..3) are the unsigned side against xq; int8 weights, and the IQ4 and MXFP4 levels their nibbles index (looked up with
-`vpshufb`), are the signed side against xq + 128, less 128 times their own sum (one more
-`vpdpbusd`, against ones).
+mask bit) and two-bit ones (0..3) are the unsigned side against xq; int8 weights, and the IQ4 and
+MXFP4 levels their nibbles index (looked up with `vpshufb`), are the signed side against xq + 128,
+less 128 times their own sum (one more `vpdpbusd`, against ones).
 For every packed form, x is stored in the order the nibbles' low and high halves split a
 128-value group (`_quantize`).
 
@@ -116,12 +116,14 @@ def _vector(element: ir.Type, count: int) -> ir.VectorType:
 class _Step:
     """One step's IR: `width` values of a matrix row of dtype `values` against int8 x rows, block
     size `size`. Every form but INT8 is in the nibbles' lane order; NIBBLES, SIXBITS, THREEBITS and
-    CRUMBS are unsigned (x the signed side), INT8 and the tables' levels signed (x + 128 the unsigned side)."""
+    CRUMBS are unsigned (x the signed side), INT8 and the tables' levels signed (x + 128 the
+    unsigned side)."""
 
     def __init__(self, k: Builder, width: int, size: int, values: np.dtype) -> None:
         self.k, self.b, self.width, self.size = k, k.b, width, size
         self.sixbits, self.table = values == SIXBITS, TABLES.get(values)
-        self.crumbs, self.threebits = values in (CRUMBS, THREEBITS), values == THREEBITS
+        self.threebits = values == THREEBITS
+        self.crumbs = values == CRUMBS or self.threebits  # CRUMBS' 2-bit values: all of them, or THREEBITS' low bits
         self.unsigned = values in UNSIGNED
         self.nibble_order = values != INT8
         self.bytes = width // 2  # bytes a vector: a 512-bit one for WIDE, 128-bit for NARROW

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
@@ -131,7 +132,7 @@ class Builder:
             values = [b.select(set_, values[i + 1], values[i]) for i in range(0, len(values), 2)]
         return values[0]
 
-    def _two_bit_values(self, qrow: ir.Value, first: ir.Value, size: int, form: object) -> list[ir.Value]:
+    def _two_bit_values(self, qrow: ir.Value, first: ir.Value, size: int, form: np.dtype) -> list[ir.Value]:
         """`block_values` of a SIXBITS, CRUMBS or THREEBITS row: block c (of 32) of a group has its
         2-bit values (SIXBITS: the high bits) in 16 bytes of the group's 32 at (c % 2) * 16, shifted
         by 2 * (c // 2) for the nibbles' low halves' values and 4 more for the high ones'; SIXBITS
@@ -148,7 +149,7 @@ class Builder:
         shift = b.trunc(b.shl(b.lshr(chunk, ir.Constant(I64, 1)), ir.Constant(I64, 1)), I8)
         three, four = ir.Constant(VQ, [3] * LANES), ir.Constant(VQ, [4] * LANES)
         packed = self.load_vector(data, b.add(base, b.mul(chunk, ir.Constant(I64, 16))), VQ) if sixbits else None
-        masks_at = b.add(base, b.add(b.mul(chunk, ir.Constant(I64, 2)), ir.Constant(I64, CRUMB_BYTES)))
+        masks_at = b.add(base, b.add(b.mul(chunk, ir.Constant(I64, 2)), ir.Constant(I64, CRUMB_BYTES))) if threebits else None
 
         def half(nibble_shift: ir.Value, mask_offset: ir.Value) -> ir.Value:
             """The values of the low halves' lanes (shift 0, offset 0) or the high ones' (4, 8)."""

@@ -61,8 +61,8 @@ MXFP4_LEVELS = np.dtype(np.int64)  # MXFP4's: 16 an element
 TABLES = {IQ4_LEVELS: IQ4_VALUES, MXFP4_LEVELS: MXFP4_VALUES}
 HALF = np.dtype(np.int16)  # float16 bits
 BFLOAT = np.dtype(np.uint16)  # bfloat16 bits
-ENCODINGS = {INT8: (1, 1), NIBBLES: (2, 1), SIXBITS: (16, 3), CRUMBS: (32, 1), THREEBITS: (64, 3), IQ4_LEVELS: (8, 1),
-             MXFP4_LEVELS: (16, 1), HALF: (1, 1), BFLOAT: (1, 1)}
+ENCODINGS = {INT8: (1, 1), NIBBLES: (2, 1), SIXBITS: (16, 3), CRUMBS: (32, 1), THREEBITS: (64, 3),
+             IQ4_LEVELS: (8, 1), MXFP4_LEVELS: (16, 1), HALF: (1, 1), BFLOAT: (1, 1)}
 
 
 def elements(dtype: np.dtype, columns: int) -> int:
