@@ -212,6 +212,31 @@ def test_a_long_context_learns_its_own_pass_costs() -> None:
     assert costs.pays([lookup], [draft], positions=250) is True  # 128-255: the short costs
 
 
+def test_an_untimed_pass_is_not_tried_where_even_a_low_estimate_of_its_cost_cannot_pay() -> None:
+    """Four streams of a MoE, where each row of a pass reaches experts of its own: one stream's
+    3-token probe widens the step to 16 rows. Estimated along the steps of 1-4 rows (2 ms a row),
+    it costs 34 ms, and 7 tokens in that time yield less than a 10 ms step's 4: it is not tried.
+    A dense model's rows cost little, and the same probe is tried; a pass timed at fewer
+    positions bounds the cost of the same shape at more."""
+    lookup = PromptLookup(list(range(40)))
+    lookup.extend([0, 1, 2])
+    drafts = [lookup.draft(3), [], [], []]
+    drafters = [lookup, None, None, None]
+    moe, dense = speculate.PassCosts(), speculate.PassCosts()
+    for batch in range(1, 5):
+        moe.record(batch, 1, 0.002 + 0.002 * batch, positions=40)
+        dense.record(batch, 1, 0.0048 + 0.0002 * batch, positions=40)
+    assert moe.pays(drafters, drafts, positions=40) is False
+    assert dense.pays(drafters, drafts, positions=40) is True
+    later = speculate.PassCosts()
+    later.record(4, 1, 0.010, positions=40)
+    later.record(4, 4, 0.047, positions=40)
+    later.record(4, 1, 0.011, positions=100)
+    assert later.pays(drafters, drafts, positions=100) is False  # 7 tokens in 47 ms or more
+    later.record(4, 1, 0.011, positions=1000)
+    assert later.pays(drafters, [[3, 4, 5, 6], [], [], []], positions=1000) is False  # 20 rows: no cheaper
+
+
 def test_drafts_that_never_pay_leave_the_reply_as_without_speculation(smollm2, monkeypatch) -> None:
     model, engine = smollm2
     request = chat(EDIT, max_tokens=60)

@@ -133,17 +133,37 @@ class PassCosts:
 
     def pays(self, drafters: Sequence[Drafter | None], drafts: Sequence[Sequence[int]], positions: int = 0) -> bool | None:
         """Whether verifying these drafts yields more tokens a second than a decode step, by the
-        drafts' expected gains; True for a shape not yet measured (it is tried), None while a
-        decode step of this batch and context has not been measured. `positions`: the most any
-        of the caches holds."""
+        drafts' expected gains; for a shape not yet measured, True (it is tried) unless a low
+        estimate of its cost (`_estimate`) already yields less; None while a decode step of this
+        batch and context has not been measured. `positions`: the most any of the caches holds."""
         batch, width, context = len(drafts), 1 + max(map(len, drafts)), positions.bit_length()
         decode, verify = self._seconds.get((batch, 1, context)), self._seconds.get((batch, width, context))
         if decode is None:
             return None
-        if verify is None:
-            return True
         gain = sum(d.expected_gain(len(x)) for d, x in zip(drafters, drafts, strict=True) if d is not None and x)
+        if verify is None:  # tried, unless even a low estimate of its cost says it cannot pay
+            return (batch + gain) / self._estimate(batch * width, context) > batch / decode
         return (batch + gain) / verify > batch / decode
+
+    def _estimate(self, rows: int, context: int) -> float:
+        """A low estimate of an untimed pass of `rows` rows at `context`, from the passes timed:
+        the slowest with fewer rows at no more context (a pass costs no less with more rows or
+        positions), or the line through the two widest with fewer rows at this context, continued
+        to `rows`, where that is more. Pass time grows about linearly with rows past the first few
+        (a MoE's: each row reaches experts of its own) or less, so the estimate stays below the
+        cost and a shape it rules out would not have paid: without it a served MoE tried a verify
+        pass of each new width, batch and context, 16-20 rows at 4-15 decode steps' time, and lost
+        a tenth of four streams' throughput to them (figures: docs/PERFORMANCE.md)."""
+        fewer = [(b * w, c, s) for (b, w, c), s in self._seconds.items() if b * w <= rows and c <= context]
+        lowest = max((s for _, _, s in fewer), default=0.0)
+        here: dict[int, float] = {}  # row count -> its slowest shape at this context
+        for r, c, s in fewer:
+            if c == context and r < rows:
+                here[r] = max(s, here.get(r, 0.0))
+        if len(here) < 2:
+            return lowest
+        (r1, s1), (r2, s2) = sorted(here.items())[-2:]
+        return max(lowest, s2 + max(0.0, s2 - s1) / (r2 - r1) * (rows - r2))
 
 
 class PromptLookup(Drafter):
