@@ -9,6 +9,7 @@ small file), where most drafts are accepted; the MLX engine is compared step by 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import re
 from pathlib import Path
@@ -150,6 +151,33 @@ def test_a_missed_draft_pauses_drafting_longer_each_time() -> None:
     lookup.extend([next(filler) for _ in range(speculate.PAUSE)] + [31, 32, 33])
     assert lookup.draft(3) == [34, 35, 36]
     assert (lookup.drafted, lookup.accepted) == (6, 0)
+
+
+def tokens_until_drafting(lookup: PromptLookup) -> int:
+    """How many tokens the sequence takes before it drafts again from a 3-token match ending them."""
+    for fill in range(4 * speculate.MAX_PAUSE):
+        trial = copy.deepcopy(lookup)
+        trial.extend(list(range(2000, 2000 + fill)) + [41, 42, 43])
+        if trial.draft(3):
+            return fill + 3
+    raise AssertionError("never drafts again")
+
+
+def test_drafts_gaining_in_part_that_do_not_pay_back_off_as_misses_do() -> None:
+    """A probe that gains a token but not its pass's cost (the cost gate then holds the next
+    draft) pauses drafting twice as long each time; a draft accepted whole starts over."""
+    lookup = PromptLookup([k + i for k in (0, 10, 20, 40) for i in range(1, 7)])
+    filler = iter(range(100, 1000))  # tokens that match nothing
+    lookup.extend([1, 2, 3])
+    for start, pause in ((11, speculate.PAUSE), (21, 2 * speculate.PAUSE)):
+        assert lookup.draft(3) == [start - 7, start - 6, start - 5]
+        lookup.record(3, 1)
+        lookup.hold()
+        assert tokens_until_drafting(lookup) == pause
+        lookup.extend([next(filler) for _ in range(pause - 3)] + [start, start + 1, start + 2])
+    lookup.record(3, 3)  # the last draft, taken whole: copying
+    lookup.record(3, 0)
+    assert tokens_until_drafting(lookup) == speculate.PAUSE
 
 
 def test_a_shared_pass_only_gets_a_probe_until_the_sequence_copies() -> None:

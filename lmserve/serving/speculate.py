@@ -21,8 +21,10 @@ by batch size, verify passes by batch size and width, both by context length), a
 verify pass only when the tokens its drafts are expected to gain (each sequence's recent average)
 make it yield more tokens a second than a decode step. A sequence whose draft gains nothing, or is not worth its pass,
 pauses drafting for `PAUSE` tokens, twice as long each time that happens again (at most
-`MAX_PAUSE`), and an accepted draft resets the pause: a reply with nothing to copy pays for a few
-probes, not for a draft every step. After a pause a sequence's next draft is tried whatever its
+`MAX_PAUSE`), and a draft accepted whole resets the pause: a reply with nothing to copy pays for a
+few probes, not for a draft every step. A draft accepted in part leaves the pause as it was, so
+that probes whose chance gains do not pay for their passes (a MoE's lone stream: a 4-row pass
+costs three steps, and prose's 3-token matches mostly gain one) back off as misses do. After a pause a sequence's next draft is tried whatever its
 past, so that a reply that starts copying late is found, but with `PROBE` tokens at most: a verify
 pass's cost grows with its width (on the NumPy engine 16 rows cost about six decode steps), and
 most probes of a reply with nothing to copy miss. In a pass shared with other sequences a long
@@ -102,8 +104,9 @@ class Drafter:
         self.accepted += accepted
         self.copying = accepted == drafted
         self._gain = accepted if self._gain is None else (self._gain + accepted) / 2
-        if accepted:
+        if self.copying:
             self._pause = PAUSE
+        if accepted:
             return
         self.hold()
 
