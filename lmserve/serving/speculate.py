@@ -19,20 +19,20 @@ a GPU little more than one), so drafting is kept to where it pays.
 `PassCosts` learns, as the server runs, what each shape of pass costs on this engine (decode steps
 by batch size, verify passes by batch size and width, both by context length), and a step is a
 verify pass only when the tokens its drafts are expected to gain (each sequence's recent average)
-make it yield more tokens a second than a decode step. A sequence whose draft gains nothing, or is not worth its pass,
-pauses drafting for `PAUSE` tokens, twice as long each time that happens again (at most
-`MAX_PAUSE`), and a draft accepted whole resets the pause: a reply with nothing to copy pays for a
-few probes, not for a draft every step. A draft accepted in part leaves the pause as it was, so
-that probes whose chance gains do not pay for their passes (a MoE's lone stream: a 4-row pass
-costs three steps, and prose's 3-token matches mostly gain one) back off as misses do. After a pause a sequence's next draft is tried whatever its
-past, so that a reply that starts copying late is found, but with `PROBE` tokens at most: a verify
-pass's cost grows with its width (on the NumPy engine 16 rows cost about six decode steps), and
-most probes of a reply with nothing to copy miss. In a pass shared with other sequences a long
-draft widens it for all of them (the engine pads to the longest list), so there a sequence only
-probes with `PROBE` tokens until a draft of it is accepted whole. And prompt lookup drafts
-from a match shorter than 3 tokens only right after a draft was accepted whole: in prose such
-matches are mostly chance, while most 3-token matches gain a token (figures: docs/PERFORMANCE.md,
-measurements behind code choices).
+make it yield more tokens a second than a decode step. A sequence whose draft gains nothing, or is
+not worth its pass, pauses drafting for `PAUSE` tokens, twice as long each time that happens again
+(at most `MAX_PAUSE`), and a draft accepted whole resets the pause: a reply with nothing to copy
+pays for a few probes, not for a draft every step. A draft accepted in part leaves the pause as it
+was, so that probes whose chance gains do not pay for their passes (a MoE's lone stream: a 4-row
+pass costs three steps, and prose's 3-token matches mostly gain one) back off as misses do. After a
+pause a sequence's next draft is tried whatever its past, so that a reply that starts copying late
+is found, but with `PROBE` tokens at most: a verify pass's cost grows with its width (on the NumPy
+engine 16 rows cost about six decode steps), and most probes of a reply with nothing to copy miss.
+In a pass shared with other sequences a long draft widens it for all of them (the engine pads to
+the longest list), so there a sequence only probes with `PROBE` tokens until a draft of it is
+accepted whole. And prompt lookup drafts from a match shorter than 3 tokens only right after a
+draft was accepted whole: in prose such matches are mostly chance, while most 3-token matches gain
+a token (figures: docs/PERFORMANCE.md, measurements behind code choices).
 """
 
 from __future__ import annotations
@@ -150,17 +150,17 @@ class PassCosts:
 
     def _estimate(self, rows: int, context: int) -> float:
         """A low estimate of an untimed pass of `rows` rows at `context`, from the passes timed:
-        the slowest with fewer rows at no more context (a pass costs no less with more rows or
-        positions), or the line through the two widest with fewer rows at this context, continued
-        to `rows`, where that is more. Pass time grows about linearly with rows past the first few
-        (a MoE's: each row reaches experts of its own) or less, so the estimate stays below the
-        cost and a shape it rules out would not have paid: without it a served MoE tried a verify
-        pass of each new width, batch and context, 16-20 rows at 4-15 decode steps' time, and lost
-        a tenth of four streams' throughput to them (figures: docs/PERFORMANCE.md)."""
-        fewer = [(b * w, c, s) for (b, w, c), s in self._seconds.items() if b * w <= rows and c <= context]
-        lowest = max((s for _, _, s in fewer), default=0.0)
+        the slowest with no more rows at no more context (a pass costs no less with more rows or
+        positions), or the line through the two widest row counts below `rows` timed at this
+        context, continued to `rows`, where that is more. Pass time grows about linearly with rows
+        past the first few (a MoE's: each row reaches experts of its own) or less, so the estimate
+        stays below the cost and a shape it rules out would not have paid: without it a served MoE
+        tried a verify pass of each new width, batch and context, 16-20 rows at 4-15 decode steps'
+        time, and lost a tenth of four streams' throughput to them (figures: docs/PERFORMANCE.md)."""
+        no_wider = [(b * w, c, s) for (b, w, c), s in self._seconds.items() if b * w <= rows and c <= context]
+        lowest = max((s for _, _, s in no_wider), default=0.0)
         here: dict[int, float] = {}  # row count -> its slowest shape at this context
-        for r, c, s in fewer:
+        for r, c, s in no_wider:
             if c == context and r < rows:
                 here[r] = max(s, here.get(r, 0.0))
         if len(here) < 2:
