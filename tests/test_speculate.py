@@ -34,6 +34,8 @@ from lmserve.settings import Settings, UsageError, parse_settings
 from tests.conftest import TINY_LLAMA
 from tests.engine_proxies import FaultyEngine, Rule, Script, ScriptedEngine
 from tests.fixture_models import write_model
+from tests.hooked_server import Hooks
+from tests.server_util import start_server
 
 CODE = '''def area(width: float, height: float) -> float:
     return width * height
@@ -481,18 +483,21 @@ def metric(text: str, name: str) -> float:
     return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
-def test_metrics_and_access_log_count_drafts(smollm2_server) -> None:
-    server = smollm2_server
+def test_metrics_and_access_log_count_drafts() -> None:
+    """On a server whose drafts are all verified: which are does not depend on pass timings, which
+    a loaded machine (a CI runner) shifts enough that the cost gate held every draft of the edit."""
     body = {"messages": [{"role": "user", "content": EDIT}], "temperature": 0, "max_tokens": 60}
-    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+    with start_server("--engine", "cpu", hooks=Hooks(drafts_always_pay=True)) as server, \
+            httpx.Client(base_url=server.base_url, timeout=120) as client:
         before = client.get("/metrics").text
         assert client.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "spec-edit"}).status_code == 200
         after = client.get("/metrics").text
+        log = server.log()
     drafted = metric(after, "lmserve_draft_tokens_total") - metric(before, "lmserve_draft_tokens_total")
     accepted = (metric(after, "lmserve_draft_accepted_tokens_total")
                 - metric(before, "lmserve_draft_accepted_tokens_total"))
     assert 0 < accepted <= drafted
-    line = next(json.loads(entry.split("lmserve.access: ", 1)[1]) for entry in server.log().splitlines()
+    line = next(json.loads(entry.split("lmserve.access: ", 1)[1]) for entry in log.splitlines()
                 if "lmserve.access: " in entry and "spec-edit" in entry)
     assert (line["drafted_tokens"], line["accepted_tokens"]) == (drafted, accepted)
 
