@@ -118,6 +118,22 @@ def test_batched_decode_equals_solo(smollm2: CPUEngine, chat_goldens: list[dict]
         assert solo.length == batched[i].length == len(prompt) + 2
 
 
+def test_a_prompts_passes_keep_a_small_scores_buffer_and_drop_a_large_one(smollm2: CPUEngine,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine keeps the attention scores' buffer from one pass for the next (a served prompt
+    is a pass a chunk, and a new buffer's first layer wrote fresh pages), up to KEPT_SCRATCH
+    bytes only: a long prompt's scores are not held after it. The logits are the same either way."""
+    ids = list(range(100, 400))
+    monkeypatch.setattr(engine_module, "FORWARD_CHUNK", 128)  # passes of 128, 128 and 44 rows
+    largest = smollm2.config.n_heads * 128 * 256 * 4  # the second pass's scores
+    kept = smollm2.prefill(smollm2.new_cache(len(ids)), ids, all_logits=True)
+    assert smollm2._scratch.nbytes >= largest
+    monkeypatch.setattr(engine_module, "KEPT_SCRATCH", largest - 1)  # each pass's is dropped past it
+    dropped = smollm2.prefill(smollm2.new_cache(len(ids)), ids, all_logits=True)
+    assert smollm2._scratch.nbytes < largest
+    np.testing.assert_array_equal(kept, dropped)
+
+
 @pytest.mark.parametrize("shape", [(960, 576), (100, 37), (1000, 64)])
 @pytest.mark.parametrize("block_bytes", [1 << 30, 4096, 10_000])  # one block; many, the last ragged
 def test_linear_in_blocks_matches_one_product(shape: tuple[int, int], block_bytes: int,

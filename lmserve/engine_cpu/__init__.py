@@ -1,7 +1,16 @@
 """NumPy implementation of the Engine protocol: runs anywhere, activations and caches in float32."""
 
-from lmserve.engine.protocol import CacheFullError
-from lmserve.engine_cpu.cache import CPUCache
-from lmserve.engine_cpu.engine import CPUEngine
+import os
+
+# libgomp (Numba's OpenMP threads) reads this when it loads, under the first import of a kernel
+# module: after a parallel region its threads spin this many times (about 0.3 ms here) before
+# they sleep. Its default, 300,000 (3.5 ms), held a core while BLAS's two threads ran a prompt's
+# attention products next, and half of them took twice as long (docs/PERFORMANCE.md). A decode
+# step's regions follow one another within that time. A value the user set is kept.
+os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+
+from lmserve.engine.protocol import CacheFullError  # noqa: E402  (after the setting above)
+from lmserve.engine_cpu.cache import CPUCache  # noqa: E402
+from lmserve.engine_cpu.engine import CPUEngine  # noqa: E402
 
 __all__ = ["CPUCache", "CPUEngine", "CacheFullError"]

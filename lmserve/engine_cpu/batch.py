@@ -31,15 +31,16 @@ class Span:
 
 class Batch:
     """`width` rows for each cache, in cache order; `real[i]` of cache i's are kept (all of them
-    when not given). Room for the rows is reserved already."""
+    when not given). Room for the rows is reserved already. `scratch`: the buffer the layers
+    write their attention scores into, one after another (the engine's, kept between passes)."""
 
-    def __init__(self, caches: list[CPUCache], width: int, real: list[int] | None = None) -> None:
+    def __init__(self, caches: list[CPUCache], width: int, real: list[int] | None, scratch: Scratch) -> None:
         real = real or [width] * len(caches)
         self.width = width
         self.spans = [Span(c, c.length, i * width, (i + 1) * width, n)
                       for i, (c, n) in enumerate(zip(caches, real, strict=True))]
         self.positions = np.concatenate([np.arange(s.start, s.start + width) for s in self.spans])
-        self.scratch = Scratch()  # the layers' attention scores, one after another
+        self.scratch = scratch
 
     def finish(self, ids: np.ndarray) -> None:
         """Advance every cache past its kept rows, remembering their token ids."""

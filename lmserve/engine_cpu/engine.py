@@ -48,6 +48,9 @@ FORWARD_CHUNK = 512  # prompt tokens a forward pass at most (`_pass_rows`)
 # verify passes of 32-64 rows on every thread took 400-770 ms where a 24-row pass on one took 59.
 TUNED_ROWS = 128
 SCORES_BUDGET = 256 * 2**20  # bytes of a pass's attention scores past which its rows halve (a long prompt's)
+# The most bytes of attention scores' buffer (`ops.Scratch`) kept from one pass for the next: a
+# 512-token chunk's after 1,024 positions of 16 query heads (32 MiB) is; a long prompt's is not.
+KEPT_SCRATCH = 64 * 2**20
 
 
 class CPUEngine(Engine[CPUCache]):
@@ -82,6 +85,7 @@ class CPUEngine(Engine[CPUCache]):
         self.weight_bytes = self.weights.nbytes
         self._threads: ThreadTuner | None = None
         self._halves = [decode_layer.NONE] * len(self.weights.layers)  # the layers' compiled decode halves
+        self._scratch = ops.Scratch()  # the passes' attention scores, one pass after another
         kind = "float32"
         if quantized:
             from lmserve.engine_cpu import int8_kernels, kernels
@@ -208,17 +212,20 @@ class CPUEngine(Engine[CPUCache]):
         """Run rows `ids` through every layer and return the last hidden states `[n, hidden]`.
         One cache extends by all rows (prefill), or each of several by as many (decode, verify:
         `real` of them kept per cache); room is already reserved."""
-        if self._threads is None:
-            return self._layers(ids, caches, real)
-        threads = self._threads.choose(len(ids))
-        started = time.perf_counter()
-        h = self._layers(ids, caches, real)
-        self._threads.record(len(ids), threads, time.perf_counter() - started)
-        return h
+        try:
+            if self._threads is None:
+                return self._layers(ids, caches, real)
+            threads = self._threads.choose(len(ids))
+            started = time.perf_counter()
+            h = self._layers(ids, caches, real)
+            self._threads.record(len(ids), threads, time.perf_counter() - started)
+            return h
+        finally:
+            self._scratch.release_past(KEPT_SCRATCH)
 
     def _layers(self, ids: np.ndarray, caches: list[CPUCache], real: list[int] | None) -> np.ndarray:
         cfg, w = self.config, self.weights
-        batch = Batch(caches, len(ids) // len(caches), real)
+        batch = Batch(caches, len(ids) // len(caches), real, self._scratch)
         tables = ops.rope_tables(batch.positions, w.rope.inv_freq, w.rope.scale)
         local = tables if w.rope_local is None else ops.rope_tables(batch.positions, w.rope_local.inv_freq,
                                                                    w.rope_local.scale)

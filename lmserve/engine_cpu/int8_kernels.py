@@ -40,6 +40,7 @@ from numba.extending import intrinsic
 from numba.np.numpy_support import as_dtype
 
 from lmserve.engine_cpu import qmatrix
+from lmserve.engine_cpu.expert_split import PARTS, even_work
 from lmserve.engine_cpu.kernel_ir import F32, I8, I16, I32, I64, OUTS, Builder
 from lmserve.engine_cpu.qmatrix import CRUMBS, FACTORED, INT8, NIBBLES, SIXBITS, SUPERBLOCK, TABLES, THREEBITS
 from lmserve.model.gguf_file import ModelLoadError
@@ -392,16 +393,20 @@ def _grouped_times(x, q, scale, offset, supers, layout, superblocks, experts, fi
     out = np.empty((x.shape[0], q.shape[1]), np.float32)
     rows = q.shape[1]
     if np.max(firsts[1:] - firsts[:-1]) <= COLUMN_ROWS:
-        for t in prange(len(experts) * rows):
-            g, o = t // rows, t % rows
-            e = experts[g]
-            _column(xq, q[e], scale[e], offset[e], supers[e], dx, xsum, out, o, firsts[g], firsts[g + 1])
+        bounds = even_work(firsts, rows, PARTS)  # the threads' matrix rows by work
+        for p in prange(PARTS):
+            for t in range(bounds[p], bounds[p + 1]):
+                g, o = t // rows, t % rows
+                e = experts[g]
+                _column(xq, q[e], scale[e], offset[e], supers[e], dx, xsum, out, o, firsts[g], firsts[g + 1])
         return out
     tiles = -(-rows // OUTS)
-    for t in prange(len(experts) * tiles):
-        g, o = t // tiles, (t % tiles) * OUTS
-        e = experts[g]
-        _tiles(xq, q[e], scale[e], offset[e], supers[e], dx, xsum, out, o, firsts[g], firsts[g + 1])
+    bounds = even_work(firsts, tiles, PARTS)  # the threads' tiles by work: groups' rows differ
+    for p in prange(PARTS):
+        for t in range(bounds[p], bounds[p + 1]):
+            g, o = t // tiles, (t % tiles) * OUTS
+            e = experts[g]
+            _tiles(xq, q[e], scale[e], offset[e], supers[e], dx, xsum, out, o, firsts[g], firsts[g + 1])
     return out
 
 

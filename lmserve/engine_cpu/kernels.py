@@ -34,6 +34,7 @@ from numba.extending import intrinsic
 from numba.np.ufunc.parallel import _launch_threads  # loads the threading layer
 
 from lmserve.engine_cpu import int8_kernels
+from lmserve.engine_cpu.expert_split import PARTS, even_work
 from lmserve.engine_cpu.kernel_ir import F32, I64, LANES, OUTS, VF, Builder
 
 ROW_GROUPS = (4, 2, 1)  # rows computed together: each block's values are converted once for all
@@ -152,10 +153,12 @@ def _grouped_times(x, q, scale, offset, supers, xsum, out, experts, firsts):  # 
             _one(x, q[e], scale[e], offset[e], supers[e], xsum, out, o, g)
         return
     tiles = -(-rows // OUTS)
-    for t in prange(len(experts) * tiles):
-        g, o = t // tiles, (t % tiles) * OUTS
-        e = experts[g]
-        _tiles(x, q[e], scale[e], offset[e], supers[e], xsum, out, o, firsts[g], firsts[g + 1])
+    bounds = even_work(firsts, tiles, PARTS)  # the threads' tiles by work: groups' rows differ
+    for p in prange(PARTS):
+        for t in range(bounds[p], bounds[p + 1]):
+            g, o = t // tiles, (t % tiles) * OUTS
+            e = experts[g]
+            _tiles(x, q[e], scale[e], offset[e], supers[e], xsum, out, o, firsts[g], firsts[g + 1])
 
 
 @njit(cache=True, nogil=True)

@@ -286,11 +286,12 @@ NO_SINKS = np.empty(0, np.float32)
 
 
 class Scratch:
-    """A float32 buffer that one forward pass's layers write their attention scores into in turn.
+    """A float32 buffer that a forward pass's layers write their attention scores into in turn.
     A new array past glibc's mmap threshold (32 MiB at most: a long prompt's scores) is fresh
     pages that the kernel zeroes at first touch, and the product writing them ran at half speed
-    (figures: docs/PERFORMANCE.md, measurements behind code choices). It lives as long as the
-    pass, so memory between passes is what it was."""
+    (figures: docs/PERFORMANCE.md, measurements behind code choices). The engine keeps one between
+    passes while it holds no more than `KEPT_SCRATCH` bytes: a served prompt is a pass a chunk,
+    and the first layer of each wrote fresh pages again (a long prompt's larger buffer is not kept)."""
 
     def __init__(self) -> None:
         self._flat = np.empty(0, np.float32)
@@ -301,6 +302,16 @@ class Scratch:
         if size > self._flat.size:
             self._flat = np.empty(size, np.float32)
         return self._flat[:size].reshape(shape)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the buffer holds."""
+        return self._flat.nbytes
+
+    def release_past(self, nbytes: int) -> None:
+        """Drop the buffer if it holds more than `nbytes`: what a pass leaves for the next."""
+        if self.nbytes > nbytes:
+            self._flat = np.empty(0, np.float32)
 
 
 def _scores(qg: np.ndarray, keys: np.ndarray, scratch: Scratch | None = None) -> np.ndarray:
