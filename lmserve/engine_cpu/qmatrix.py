@@ -33,8 +33,10 @@ KERNEL_ROWS = 24
 # more than they save (figures: docs/PERFORMANCE.md, measurements behind code choices).
 TILE_VALUES = 1 << 22
 # Matrices of fewer values keep BLAS past KERNEL_ROWS even where int8 activations would take them:
-# their gain is smaller than what the kernels' OpenMP threads, spinning after each call, cost the
-# BLAS products around them (figures: docs/PERFORMANCE.md, measurements behind code choices).
+# their gain was smaller than what the kernels' OpenMP threads, spinning after each call, cost the
+# BLAS products around them, and with the shorter spinning set in engine_cpu/__init__.py there is
+# none to take (SmolLM2's down projections on the kernels: its prompts even with BLAS; figures:
+# docs/PERFORMANCE.md, measurements behind code choices).
 WIDE_VALUES = 1 << 20
 
 # `q`'s dtype -> (values, elements): how many values that many elements hold; the kernels decode
