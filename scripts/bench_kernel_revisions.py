@@ -17,41 +17,24 @@ import lmserve  # noqa: F401  (first: it tunes OpenBLAS before NumPy loads, as t
 
 # isort: split
 import argparse
-import importlib.util
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_rounds import best_of, best_prefill, timed  # noqa: E402  (scripts/, this script's own directory)
+from bench_rounds import best_of, best_prefill, load_revision, timed  # noqa: E402  (scripts/, this script's own directory)
 
 from lmserve.engine_cpu import int8_kernels  # noqa: E402
 from tests.test_qmatrix import encoded_matrix  # noqa: E402
 
 T = GGMLQuantizationType
-REPO = Path(__file__).resolve().parents[1]
 PRODUCTS = ((T.Q4_K, 1024, 1024), (T.Q4_K, 4096, 4096), (T.Q3_K, 4096, 4096), (T.Q6_K, 4096, 4096), (T.Q4_0, 4096, 4096))
 ROWS = (1, 4, 64, 256)
 STREAMS = (1, 4)
-
-
-def load_revision(revision: str, directory: Path) -> ModuleType:
-    """`lmserve/engine_cpu/int8_kernels.py` as it is at `revision`, as a module of its own."""
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:lmserve/engine_cpu/int8_kernels.py"],
-                            check=True, capture_output=True, text=True).stdout
-    path = directory / "int8_kernels_then.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("int8_kernels_then", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.ENABLED = True
-    return module
 
 
 def use(times: Callable, grouped_times: Callable) -> Callable[[], None]:
@@ -72,7 +55,8 @@ def main() -> None:
         sys.exit("int8 activations need AVX-512 VNNI, which this CPU lacks")
     int8_kernels.ENABLED = True
     with tempfile.TemporaryDirectory() as directory:
-        then = load_revision(args.against, Path(directory))
+        then = load_revision(args.against, "lmserve/engine_cpu/int8_kernels.py", Path(directory))
+        then.ENABLED = True
         sides = {"here": use(int8_kernels.times, int8_kernels.grouped_times),
                  args.against: use(then.times, then.grouped_times)}
         print(f"ms, this checkout / {args.against}, best of {args.rounds} alternating rounds (ratio > 1: this checkout faster)")

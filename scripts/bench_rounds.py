@@ -3,15 +3,20 @@ machine's speed drifts within minutes, so the two sides take turns), and a model
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
 from lmserve.engine_cpu import CPUEngine
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def timed(call: Callable[[], object], times: int) -> Callable[[], float]:
@@ -44,3 +49,17 @@ def best_prefill(model: Path, tokens: int, rounds: int,
     engine = CPUEngine(gguf, config)
     ids = np.random.default_rng(0).integers(100, config.vocab_size, tokens).tolist()
     return engine, ids, best_of(rounds, timed(lambda: engine.prefill(engine.new_cache(len(ids)), ids), 1), sides)
+
+
+def load_revision(revision: str, relative: str, directory: Path) -> ModuleType:
+    """The module at `relative` (a path in the repository) as it is at git `revision`, loaded
+    from `directory` as a module of its own, beside this checkout's."""
+    source = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{relative}"],
+                            check=True, capture_output=True, text=True).stdout
+    name = Path(relative).stem + "_then"
+    path = directory / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

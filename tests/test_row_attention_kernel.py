@@ -1,8 +1,9 @@
 """A decode step's attention over a float32 cache in one compiled call (`row_attention_kernel`):
 the new rows' rotated keys and their values written where the NumPy path writes them, and each
 query's output against float64 attention, for one decode row and a verify pass's rows, partial
-rotary, sliding windows, gpt-oss's sinks and the query and value views a layer passes; and a
-served engine's decode steps giving the answers of the NumPy path."""
+rotary, sliding windows, gpt-oss's sinks, query heads in groups of 4, 3 and 1 a KV head, and the
+query and value views a layer passes; and a served engine's decode steps giving the answers of the
+NumPy path."""
 
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ CASES = {"one decode row": (1, 70, 0, False, 64, 64), "verify pass": (4, 300, 0,
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_rows_are_written_and_attended_as_in_float64(case: str) -> None:
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (9, 3), (6, 6)], ids=["groups of 4", "groups of 3", "no groups"])
+def test_rows_are_written_and_attended_as_in_float64(case: str, heads: int, kv_heads: int) -> None:
+    """Each query head reads its own KV head (h // group), whether its group's heads share the reads or not."""
     n, start, window, with_sinks, head_dim, rotary = CASES[case]
     rng = np.random.default_rng(len(case))
-    heads, kv_heads = 8, 2
     # One layer's projections as attention views them: queries, keys and values of each row side by side.
     projected = rng.standard_normal((n, heads + 2 * kv_heads, head_dim)).astype(np.float32)
     qk, v = projected[:, :heads + kv_heads], projected[:, heads + kv_heads:]

@@ -190,6 +190,21 @@ def test_a_shared_pass_only_gets_a_probe_until_the_sequence_copies() -> None:
     assert lookup.draft(10, shared=True) == list(range(3, 13))
 
 
+def test_a_copying_sequence_held_by_the_cost_gate_comes_back_with_a_probe() -> None:
+    """A long draft the cost gate held is not retried whole after the pause: an untimed verify
+    pass of MAX_DRAFT rows (padded for every sequence of a shared pass) cost a served MoE's four
+    streams twelve decode steps."""
+    lookup = PromptLookup(list(range(40)))
+    lookup.extend([0, 1, 2])
+    assert lookup.draft(20, shared=True) == [3, 4, 5]
+    lookup.record(3, 3)  # taken whole: copying
+    lookup.extend([3, 4, 5])
+    assert lookup.draft(20, shared=True) == list(range(6, 6 + speculate.MAX_DRAFT))
+    lookup.hold()  # the cost gate: not worth its pass
+    lookup.extend(list(range(6, 6 + speculate.PAUSE)))  # decoded plainly through the pause
+    assert lookup.draft(20, shared=True) == list(range(14, 14 + speculate.PROBE))
+
+
 def test_a_first_draft_is_a_probe_then_drafts_grow_once_one_gained() -> None:
     """A 16-row verify pass costs the NumPy engine about six decode steps: a reply with nothing
     to copy pays for short probes only."""

@@ -7,10 +7,13 @@ query heads' reshapes, the scores' product, the softmax, the values' product, th
 reshapes), each a microsecond or more of Python and dispatch around a few thousand multiply-adds: a
 third of SmolLM2's decode step was that, not arithmetic (figures: docs/PERFORMANCE.md, measurements
 behind code choices). Here a row's scores are dot products along the head dimension, which Numba
-vectorizes with reassociated sums; the softmax is `softmax_kernel`'s (its `_exp`, the division by
-the sum). The (row, query head) pairs run on the calling thread up to PARALLEL_SCORES scores, where
-a thread launch costs more than it splits, and on the kernels' threads past them (`ops.ONE_CALL_POSITIONS`
-bounds the positions a pass may read here).
+vectorizes with reassociated sums; the softmax is `softmax_kernel.softmax_row` (its `_exp`, the
+division by the sum). The query heads that share a KV head (grouped-query attention) run together,
+each block of keys and values read once for all of them rather than once a head: the synthetic
+MoE's 16 heads over 4 KV heads ran 1.25x faster at 1,024 positions, 1.5x from 2,048 (figures:
+docs/PERFORMANCE.md). The (row, KV head) units run on the calling thread up to PARALLEL_SCORES
+scores, where a thread launch costs more than it splits, and on the kernels' threads past them
+(`ops.ONE_CALL_POSITIONS` bounds the positions a pass may read here).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from lmserve.engine_cpu.softmax_kernel import _FAST, _exp
+from lmserve.engine_cpu.softmax_kernel import _FAST, softmax_row
 
 # Scores (positions times query heads) from which a pass's heads run on the kernels' threads: below,
 # a short context's, the launch cost about what the split saved (figures: docs/PERFORMANCE.md, a
@@ -64,89 +67,93 @@ def attend_rows(qk, v, cos, sin, keys, values, start, scale, window, sinks, out)
 @njit(fastmath=_FAST, error_model="numpy", cache=True, nogil=True)
 def attend_serial(q, keys, values, start, scale, window, sinks, out):  # noqa: ANN001, ANN201
     """`out` `[n, heads, head_dim]`: each rotated query `q` (at `start + r`) over the cache's
-    `keys` and `values` it sees, (row, query head) after another on the calling thread."""
+    `keys` and `values` it sees, (row, KV head) after another on the calling thread."""
     n, heads, head_dim = q.shape
-    weights = np.empty(start + n, np.float32)
-    mixed = np.empty(head_dim, np.float32)
-    for t in range(n * heads):
-        _attend_one(q, keys, values, start, scale, window, sinks, t // heads, t % heads, weights, mixed, out)
+    kv_heads = keys.shape[0]
+    weights = np.empty((heads // kv_heads, start + n), np.float32)
+    mixed = np.empty((heads // kv_heads, head_dim), np.float32)
+    for t in range(n * kv_heads):
+        _attend_group(q, keys, values, start, scale, window, sinks, t // kv_heads, t % kv_heads, weights, mixed, out)
 
 
 @njit(fastmath=_FAST, error_model="numpy", parallel=True, cache=True, nogil=True)
 def attend_threaded(q, keys, values, start, scale, window, sinks, out):  # noqa: ANN001, ANN201
-    """`attend_serial`, each (row, query head) on the kernels' threads."""
+    """`attend_serial`, each (row, KV head) on the kernels' threads."""
     n, heads, head_dim = q.shape
-    for t in prange(n * heads):
-        weights = np.empty(start + n, np.float32)
-        mixed = np.empty(head_dim, np.float32)
-        _attend_one(q, keys, values, start, scale, window, sinks, t // heads, t % heads, weights, mixed, out)
+    kv_heads = keys.shape[0]
+    for t in prange(n * kv_heads):
+        weights = np.empty((heads // kv_heads, start + n), np.float32)
+        mixed = np.empty((heads // kv_heads, head_dim), np.float32)
+        _attend_group(q, keys, values, start, scale, window, sinks, t // kv_heads, t % kv_heads, weights, mixed, out)
 
 
 @njit(fastmath=_FAST, error_model="numpy", nogil=True)
-def _attend_one(q, keys, values, start, scale, window, sinks, r, h, weights, mixed, out):  # noqa: ANN001, ANN202
-    """`out[r, h]`: query head h of row r (at position `start + r`) over the keys it sees, with
-    `weights` and `mixed` as scratch."""
+def _attend_group(q, keys, values, start, scale, window, sinks, r, kv, weights, mixed, out):  # noqa: ANN001, ANN202
+    """`out[r, h]` for the query heads h that read KV head `kv`: row r (at position `start + r`)
+    over the keys it sees, with `weights` `[group, positions]` and `mixed` `[group, head_dim]` as
+    scratch. The group's queries share each key and value they read, once from memory."""
     at = start + r
     begin = max(0, at - window + 1) if window else 0
     count = at + 1 - begin
-    kv = h // (q.shape[1] // keys.shape[0])
-    _scores(q[r, h], keys[kv, begin:at + 1], scale, weights)
-    peak = np.float32(-np.inf)
-    for j in range(count):
-        peak = max(peak, weights[j])
-    sink = sinks[h] if len(sinks) else np.float32(-np.inf)
-    peak = max(peak, sink)
-    total = _exp(sink - peak) if len(sinks) else np.float32(0.0)
-    for j in range(count):
-        e = _exp(weights[j] - peak)
-        weights[j] = e
-        total += e
-    for j in range(count):
-        weights[j] /= total
+    group = q.shape[1] // keys.shape[0]
+    first = kv * group
+    queries = q[r, first:first + group]
+    _scores(queries, keys[kv, begin:at + 1], weights)
+    for g in range(group):
+        softmax_row(weights[g, :count], scale, sinks[first + g] if len(sinks) else np.float32(-np.inf), len(sinks) > 0)
     _mix(weights, values[kv, begin:at + 1], mixed)
-    out[r, h] = mixed
+    out[r, first:first + group] = mixed
 
 
 @njit(fastmath=_FAST, inline="always", nogil=True)
-def _scores(query, keys, scale, weights):  # noqa: ANN001, ANN202
-    """`weights[j] = scale * (query . keys[j])`, four keys a pass over the query (each of its
-    values loaded once for four dot products)."""
+def _scores(queries, keys, weights):  # noqa: ANN001, ANN202
+    """`weights[g, j] = queries[g] . keys[j]`: four keys at a time, each block read once
+    for every query of the group (and each query's values once for the block's four dot products)."""
     count, head_dim = keys.shape
     j = 0
     while j + 4 <= count:
         k0, k1, k2, k3 = keys[j], keys[j + 1], keys[j + 2], keys[j + 3]
-        a0 = a1 = a2 = a3 = np.float32(0.0)
-        for d in range(head_dim):
-            a0 += query[d] * k0[d]
-            a1 += query[d] * k1[d]
-            a2 += query[d] * k2[d]
-            a3 += query[d] * k3[d]
-        weights[j], weights[j + 1], weights[j + 2], weights[j + 3] = a0 * scale, a1 * scale, a2 * scale, a3 * scale
+        for g in range(len(queries)):
+            query = queries[g]
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            for d in range(head_dim):
+                a0 += query[d] * k0[d]
+                a1 += query[d] * k1[d]
+                a2 += query[d] * k2[d]
+                a3 += query[d] * k3[d]
+            weights[g, j], weights[g, j + 1], weights[g, j + 2], weights[g, j + 3] = a0, a1, a2, a3
         j += 4
     while j < count:
         key = keys[j]
-        dot = np.float32(0.0)
-        for d in range(head_dim):
-            dot += query[d] * key[d]
-        weights[j] = dot * scale
+        for g in range(len(queries)):
+            query = queries[g]
+            dot = np.float32(0.0)
+            for d in range(head_dim):
+                dot += query[d] * key[d]
+            weights[g, j] = dot
         j += 1
 
 
 @njit(fastmath=_FAST, inline="always", nogil=True)
 def _mix(weights, values, mixed):  # noqa: ANN001, ANN202
-    """`mixed = sum_j weights[j] * values[j]`, four values a pass over `mixed` (its loads and
-    stores, which the compiler keeps in memory, are a quarter as many)."""
+    """`mixed[g] = sum_j weights[g, j] * values[j]`, four values a pass over each `mixed[g]` (its
+    loads and stores, which the compiler keeps in memory, are a quarter as many), each block of
+    values read once for the group."""
     count = values.shape[0]
     mixed[:] = 0.0
     j = 0
     while j + 4 <= count:
-        w0, w1, w2, w3 = weights[j], weights[j + 1], weights[j + 2], weights[j + 3]
         v0, v1, v2, v3 = values[j], values[j + 1], values[j + 2], values[j + 3]
-        for d in range(len(mixed)):
-            mixed[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d])
+        for g in range(len(mixed)):
+            w0, w1, w2, w3 = weights[g, j], weights[g, j + 1], weights[g, j + 2], weights[g, j + 3]
+            m = mixed[g]
+            for d in range(len(m)):
+                m[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d])
         j += 4
     while j < count:
-        weight, value = weights[j], values[j]
-        for d in range(len(mixed)):
-            mixed[d] += weight * value[d]
+        value = values[j]
+        for g in range(len(mixed)):
+            weight, m = weights[g, j], mixed[g]
+            for d in range(len(m)):
+                m[d] += weight * value[d]
         j += 1

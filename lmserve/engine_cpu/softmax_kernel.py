@@ -49,6 +49,26 @@ def _exp(x):  # noqa: ANN001, ANN202
     return (p * (r * r) + r + np.float32(1.0)) * _pow2(np.int32(k))
 
 
+@njit(fastmath=_FAST, inline="always", nogil=True)
+def softmax_row(row, scale, sink, has_sink):  # noqa: ANN001, ANN201
+    """In place: the softmax of `row` times `scale`, the logit `sink` joining its denominator
+    (and nothing else) when `has_sink`."""
+    peak = np.float32(-np.inf)
+    for c in range(len(row)):
+        scaled = row[c] * scale
+        row[c] = scaled
+        peak = max(peak, scaled)
+    if has_sink:
+        peak = max(peak, sink)
+    total = _exp(sink - peak) if has_sink else np.float32(0.0)
+    for c in range(len(row)):
+        e = _exp(row[c] - peak)
+        row[c] = e
+        total += e
+    for c in range(len(row)):
+        row[c] /= total
+
+
 @njit(fastmath=_FAST, error_model="numpy", cache=True, nogil=True)
 def causal_softmax(scores, n, start, first, scale, window, sinks, lo, hi):  # noqa: ANN001, ANN201
     """In place: rows `lo:hi` (counted over both leading axes) of `scores` `[kv_heads, group * n,
@@ -65,20 +85,7 @@ def causal_softmax(scores, n, start, first, scale, window, sinks, lo, hi):  # no
         stop = position - first + 1
         begin = max(0, position - window + 1 - first) if window else 0
         row = scores[h, r]
-        seen_keys = row[begin:stop]  # indexed from 0: Numba's negative-index check then folds away
-        peak = np.float32(-np.inf)
-        for c in range(len(seen_keys)):
-            scaled = seen_keys[c] * scale
-            seen_keys[c] = scaled
-            peak = max(peak, scaled)
         sink = sinks[h * group + r // n] if len(sinks) else np.float32(-np.inf)
-        peak = max(peak, sink)
-        total = _exp(sink - peak) if len(sinks) else np.float32(0.0)
-        for c in range(len(seen_keys)):
-            e = _exp(seen_keys[c] - peak)
-            seen_keys[c] = e
-            total += e
-        for c in range(len(seen_keys)):
-            seen_keys[c] /= total
+        softmax_row(row[begin:stop], scale, sink, len(sinks) > 0)  # indexed from 0: no negative-index checks
         row[:begin] = 0.0
         row[stop:] = 0.0

@@ -112,10 +112,14 @@ class Drafter:
 
     def hold(self) -> None:
         """Pause drafting (a draft gained nothing, or was not worth its pass); the next draft is
-        tried whatever came before."""
+        tried whatever came before, as a probe: a sequence copying when the cost gate held its
+        long draft would otherwise come back with MAX_DRAFT tokens counted as all gained, which
+        an untimed pass shape lets through (a served MoE's four streams then ran a 64-row
+        verify pass, 12 decode steps' time: figures in docs/PERFORMANCE.md)."""
         self._resume_at = self.length + self._pause
         self._pause = min(2 * self._pause, MAX_PAUSE)
         self._gain = None
+        self.copying = False
 
 
 class PassCosts:
