@@ -68,16 +68,3 @@ def test_compiled_halves_give_the_python_paths_logits(model: str, monkeypatch: p
     monkeypatch.setattr(e, "_halves", [decode_layer.NONE] * len(e._halves))
     for got, want in zip(compiled, passes(), strict=True):  # the same compiled pieces, in the same order
         np.testing.assert_array_equal(got, want)
-
-
-def test_loading_compiles_the_attention_of_several_streams(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A pass of several caches (`attention.attend`) calls `ops.attend_rows` with a decode step's
-    C-ordered row views and a verify pass's strided ones: `prepare` compiles both at load, not the
-    first concurrent streams (which waited about a second for them)."""
-    from lmserve.engine_cpu import ops
-
-    halves = engine(default_model_path())._halves
-    asked: list[tuple] = []
-    monkeypatch.setattr(ops.compiled("row_attention_kernel").attend_rows, "compile", asked.append)
-    decode_layer.prepare(halves)
-    assert {signature[0].layout for signature in asked} == {"C", "A"}

@@ -82,8 +82,8 @@ def _moe_half(layer: LayerWeights, config: ModelConfig) -> tuple | None:
 
 def prepare(halves: list[CompiledHalves]) -> None:
     """Compile the halves for the argument types these layers pass (or load them from Numba's
-    cache) without running them, and the attention of a pass of several caches: compiled lazily,
-    the first decode step after an install waited seconds for them."""
+    cache) without running them: compiled lazily, the first decode step after an install waited
+    seconds for them (the rest a pass calls: `ops.prepare`)."""
     kernel, moe = ops.compiled("decode_layer_kernel"), ops.compiled("moe_kernel")
     if kernel is None:
         return
@@ -101,16 +101,8 @@ def prepare(halves: list[CompiledHalves]) -> None:
         if half.moe is not None:
             norm, router, topk_softmax, k, gate_up, down = half.moe
             signatures.add((moe.moe_half, _types(rows, norm, np.float32(0), router, topk_softmax, k, gate_up, down)))
-            signatures.add((moe.router_logits, _types(rows, router, rows)))
-            signatures.add((moe.route, _types(rows, topk_softmax, np.empty((1, 1), np.int64), rows)))
     matrix = np.empty((1, 2), np.float32)
     signatures.add((kernel.silu_mul, _types(matrix, matrix)))  # `ops.silu_mul`'s, for every pass
-    # `ops.attend_rows`' of a pass of several caches (`attention.attend`): a decode step's row of
-    # each is a C-ordered view, a verify pass's rows are not. Compiled lazily, a fresh install's
-    # first concurrent streams waited seconds for them.
-    attend, cache = ops.compiled("row_attention_kernel").attend_rows, np.empty((1, 1, 1), np.float32)
-    for views in (np.empty((1, 2, 1), np.float32)[:, :1], np.empty((2, 2, 1), np.float32)[:, :1]):
-        signatures.add((attend, _types(views, views, cache, cache, cache, cache, 0, np.float32(0), 0, ops.NO_SINKS, cache)))
     for function, signature in signatures:
         function.compile(signature)
 

@@ -496,7 +496,8 @@ def prepare(q: types.Array, scales: types.Array, ids: types.Array | None = None)
     """Compile the product for values and scales of these Numba types (`kernels.prepare`): the
     plain one, or with `ids` the grouped one for expert stacks."""
     matrix, cube = types.Array(types.float32, 2, "C"), types.Array(types.float32, 3, "C")
+    layout = types.int64  # `x_layout`'s, as `times` passes it
     if ids is None:
-        _times.compile((matrix, q, scales, scales, matrix, types.boolean, types.boolean))
+        _times.compile((matrix, q, scales, scales, matrix, layout, types.boolean))
     else:
-        _grouped_times.compile((matrix, q, scales, scales, cube, types.boolean, types.boolean, ids, ids))
+        _grouped_times.compile((matrix, q, scales, scales, cube, layout, types.boolean, ids, ids))

@@ -117,6 +117,40 @@ def compiled(name: str) -> ModuleType | None:
         return None
 
 
+def prepare(kv_type: str, experts: bool) -> None:
+    """Compile the kernels a pass calls beside the weights' products and the decode halves (or load
+    them from Numba's cache) without running them, for the argument types the passes give: every
+    prompt's norms and softmax, the attention of a pass of several float32 caches (a decode step's
+    rows are C-ordered views, a verify pass's strided ones), a quantized cache's writer and
+    readers (`kv_type`), a MoE's router (`experts`). Compiled lazily, a fresh install's first
+    prompt and first concurrent streams waited seconds for them."""
+    norm = compiled("norm_kernel")
+    if norm is None:
+        return
+    import numba
+
+    matrix, vector, cube = np.empty((1, 1), np.float32), np.empty(1, np.float32), np.empty((1, 1, 1), np.float32)
+    calls: list[tuple[Callable, tuple]] = [
+        (norm.rms_norm, (matrix, vector, np.float32(0), matrix)),
+        (compiled("softmax_kernel").causal_softmax, (cube, 0, 0, 0, np.float32(0), 0, vector, 0, 0))]
+    strided = np.empty((2, 2, 1), np.float32)[:, :1]
+    for qk, v in ((cube, cube), (strided, strided), (strided, cube)):  # (strided, C): Gemma 4's normed values
+        calls.append((compiled("row_attention_kernel").attend_rows,
+                      (qk, v, cube, cube, cube, cube, 0, np.float32(0), 0, NO_SINKS, cube)))
+    blocks = compiled("block_attention_kernel")
+    if kv_type in blocks.KINDS:
+        for stored in (np.empty((1, 1, 1), np.uint8), np.empty((2, 2, 1), np.uint8)[:, :1]):  # all positions, or some
+            calls += [(blocks.block_scores, (cube, stored, cube, 0)), (blocks.block_mix, (cube, stored, cube, 0))]
+    if kv_type == "q8_0":
+        calls.append((compiled("q8_0_kernel").q8_0_blocks, (matrix, np.empty((1, 1), np.uint8))))
+    if experts:
+        moe = compiled("moe_kernel")
+        calls += [(moe.router_logits, (matrix, matrix, matrix)),
+                  (moe.route, (matrix, True, np.empty((1, 1), np.int64), matrix))]
+    for function, arguments in calls:
+        function.compile(tuple(numba.typeof(argument) for argument in arguments))
+
+
 def sigmoid(x: np.ndarray) -> np.ndarray:
     """The logistic function in its tanh form, which never overflows: (tanh(x / 2) + 1) / 2."""
     out = np.multiply(x, np.float32(0.5))
