@@ -4,7 +4,9 @@ The other revision's module is loaded beside this one's, and rounds alternate th
 `int8_kernels.times` and `grouped_times` swapped), best of each kept:
 - per type and shape, one product of 1, 4, 64 and 256 rows (a decode step's, a prompt chunk's);
 - with --model, the model's prefill of --prompt-tokens random tokens and its decode step of one
-  and of four streams.
+  and of four streams. The decode steps run the layers' Python path on both sides: the compiled
+  layer halves call this checkout's kernels themselves, so with them both sides would time the same
+  code.
 
 Needs a CPU with AVX-512 VNNI (int8 activations).
 
@@ -28,7 +30,7 @@ from gguf import GGMLQuantizationType
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_rounds import best_of, best_prefill, load_revision, timed  # noqa: E402  (scripts/, this script's own directory)
 
-from lmserve.engine_cpu import int8_kernels  # noqa: E402
+from lmserve.engine_cpu import decode_layer, int8_kernels  # noqa: E402
 from tests.test_qmatrix import encoded_matrix  # noqa: E402
 
 T = GGMLQuantizationType
@@ -77,6 +79,7 @@ def engine_rows(args: argparse.Namespace, sides: dict[str, Callable[[], None]]) 
     engine, ids, best = best_prefill(args.model, args.prompt_tokens, args.rounds, sides)
     print(f"{args.model.name} prefill, {len(ids)} tokens: {len(ids) / best['here']:.0f} / "
           f"{len(ids) / best[args.against]:.0f} tok/s = {best[args.against] / best['here']:.2f}")
+    engine._halves = [decode_layer.NONE] * len(engine._halves)  # the products through `use`'s functions
     for streams in STREAMS:
         caches = [engine.new_cache(256) for _ in range(streams)]
         for cache in caches:
@@ -88,7 +91,7 @@ def engine_rows(args: argparse.Namespace, sides: dict[str, Callable[[], None]]) 
                 engine.truncate(cache, 100)
 
         best = best_of(args.rounds, timed(step, 30), sides)
-        print(f"{args.model.name} decode step, {streams} streams: {best['here'] * 1e3:.2f} / "
+        print(f"{args.model.name} decode step (Python path), {streams} streams: {best['here'] * 1e3:.2f} / "
               f"{best[args.against] * 1e3:.2f} ms = {best[args.against] / best['here']:.2f}")
 
 

@@ -263,12 +263,15 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
                 zero = ir.Constant(_vector(F32, width), [0.0] * width)
                 return [[cgutils.alloca_once_value(b, zero) for _ in range(rows)] for _ in range(outs)]
 
-            def add_up(acc: list[list[ir.Value]], acc_offset: list[list[ir.Value]]) -> None:
-                """Each cell's two accumulators, summed into its total."""
-                for j in range(outs):
-                    for r in range(rows):
-                        part = b.fadd(k.horizontal_sum(b.load(acc[j][r])), k.horizontal_sum(b.load(acc_offset[j][r])))
-                        b.store(b.fadd(b.load(totals[j][r]), part), totals[j][r])
+            def add_up(*sets: list[list[ir.Value]]) -> None:
+                """Each cell's accumulators (one of each set), summed into its total."""
+                cells = [(j, r) for j in range(outs) for r in range(rows)]
+                parts = [k.horizontal_sums([b.load(source[j][r]) for j, r in cells]) for source in sets]
+                for (j, r), *terms in zip(cells, *parts, strict=True):
+                    part = terms[0]
+                    for term in terms[1:]:
+                        part = b.fadd(part, term)
+                    b.store(b.fadd(b.load(totals[j][r]), part), totals[j][r])
 
             def blocks_of(size: int) -> None:
                 for width, steps, start in ((WIDE, wide, ir.Constant(I64, 0)),
@@ -308,7 +311,14 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
                 step = _Step(k, WIDE, size, form)
                 per = SUPERBLOCK // size
                 lanes, lanes_i, blocks = _vector(F32, step.lanes), _vector(I32, step.lanes), _vector(F32, per)
-                acc, acc_offset = accumulators(step.lanes), accumulators(per)
+                # Blocks of 16 (Q6_K, Q3_K, Q2_K) give a superblock as many offsets as a vector has
+                # lanes: their products join the same accumulator, and a tile's 8 fewer registers
+                # made products of 64-256 rows 4-20% faster. Q4_K's and Q5_K's 8 keep their own, which
+                # widening them to 16 lanes made 3-7% slower at a decode step's 1-4 rows (figures:
+                # docs/PERFORMANCE.md, measurements behind code choices).
+                merged = per == step.lanes
+                acc = accumulators(step.lanes)
+                acc_offset = acc if merged else accumulators(per)
                 with cgutils.for_range(b, b.udiv(values, ir.Constant(I64, SUPERBLOCK))) as loop:
                     first_block = b.mul(loop.index, ir.Constant(I64, per))
                     integer = [[ir.Constant(lanes_i, [0] * step.lanes)] * rows for _ in range(outs)]
@@ -337,7 +347,10 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
                             b.store(b.call(k.fma(lanes), [b.sitofp(integer[j][r], lanes), scaled, b.load(acc[j][r])]),
                                     acc[j][r])
                             b.store(b.call(k.fma(blocks), [m, sums[r], b.load(acc_offset[j][r])]), acc_offset[j][r])
-                add_up(acc, acc_offset)
+                if merged:
+                    add_up(acc)
+                else:
+                    add_up(acc, acc_offset)
 
             per_superblock = by_superblock(*(as_dtype(k.dtypes[i]) for i in (1, 2)))
             k.by_block_size(superblocks_of if per_superblock else blocks_of, 1, 2)

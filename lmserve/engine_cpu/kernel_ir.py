@@ -227,12 +227,30 @@ class Builder:
         subs = b.sitofp(self.load_vector(source, first, ir.VectorType(I8, per)), ir.VectorType(F32, per))
         return b.fmul(self.splat(b.load(factor), per), subs)
 
-    def horizontal_sum(self, v: ir.Value) -> ir.Value:
-        """Pairwise, halving the float vector's lanes: 16 -> 8 -> 4 -> 2 -> 1."""
-        width = v.type.count
+    def horizontal_sums(self, vectors: list[ir.Value]) -> list[ir.Value]:
+        """Each float vector's lanes summed (a power of two of vectors, of one width): pairwise,
+        halving the lanes (16 -> 8 -> 4 -> 2 -> 1), each vector's in the same order whatever else
+        is summed with it. Two vectors of cells `width` lanes wide become one of twice the cells
+        half as wide, so one instruction adds halves of several cells: a tile's 8 cells take 8
+        pair steps where one at a time took 32, which short rows (a MoE's down matrix) felt
+        (figures: docs/PERFORMANCE.md, measurements behind code choices)."""
+        b, width = self.b, vectors[0].type.count
+
+        def halves(pair: list[ir.Value], cells: int, part: int) -> ir.Value:
+            """The lanes of each cell's `part` half (0 low, 1 high), the first vector's cells first."""
+            total = pair[0].type.count
+            order = [v * total + cell * width + part * (width // 2) + i
+                     for v in range(len(pair)) for cell in range(cells) for i in range(width // 2)]
+            return b.shuffle_vector(pair[0], pair[-1], ir.Constant(ir.VectorType(I32, len(order)), order))
+
+        cells = 1  # cells a vector holds, `width` lanes each
         while width > 1:
-            half = width // 2
-            lo = self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, half), list(range(half))))
-            hi = self.b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, half), list(range(half, width))))
-            v, width = self.b.fadd(lo, hi), half
-        return self.b.extract_element(v, ir.Constant(I32, 0))
+            pairs = [vectors[i:i + 2] for i in range(0, len(vectors), 2)]
+            vectors = [b.fadd(halves(pair, cells, 0), halves(pair, cells, 1)) for pair in pairs]
+            cells, width = cells * len(pairs[0]), width // 2
+        return [b.extract_element(v, ir.Constant(I32, cell)) for v in vectors for cell in range(cells)]
+
+    def horizontal_sum(self, v: ir.Value) -> ir.Value:
+        """One vector's `horizontal_sums`."""
+        (total,) = self.horizontal_sums([v])
+        return total

@@ -80,10 +80,9 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
                 k.for_blocks(2, o_index, size, block)
 
             k.by_block_size(blocks_of, 1, 2)
-            for j in range(outs):
-                for r in range(rows):
-                    total = b.fadd(k.horizontal_sum(b.load(acc[j][r])), b.load(acc_offset[j][r]))
-                    b.store(total, k.at(k.row(6, r_index[r]), o_index[j]))
+            cells = [(j, r) for j in range(outs) for r in range(rows)]
+            for (j, r), total in zip(cells, k.horizontal_sums([b.load(acc[j][r]) for j, r in cells]), strict=True):
+                b.store(b.fadd(total, b.load(acc_offset[j][r])), k.at(k.row(6, r_index[r]), o_index[j]))
             return context.get_dummy_value()
         return types.void(x, q, scale, offset, supers, xsum, out, o0, r0), codegen
     return dots
