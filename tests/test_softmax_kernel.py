@@ -1,6 +1,7 @@
 """Attention with the compiled softmax (`softmax_kernel`) against float64 attention computed
 here from its definition, and against the NumPy softmax macOS runs: causal prompt chunks after
-cached positions, one decode row, sliding windows, gpt-oss's sinks, grouped KV heads. And the
+cached positions (whole, and in runs of positions over the keys they see), one decode row,
+sliding windows, gpt-oss's sinks, grouped KV heads. And the
 scores of a decode step's few query rows, run as keys times queries, have the bits of queries
 times keys."""
 
@@ -59,6 +60,22 @@ def test_compiled_softmax_attention_matches_float64(case: str, monkeypatch: pyte
     assert np.abs(numpy - want).max() < 2e-5
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_runs_of_positions_over_the_keys_they_see_match_float64(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt chunk's products run a few positions at a time over only the keys those see (a
+    run of 5 here: ragged at the chunk's end, and inside a sliding window)."""
+    n, start, window, with_sinks = CASES[case]
+    rng = np.random.default_rng(len(case) + 7)
+    q = rng.standard_normal((n, 8, 32)).astype(np.float32) * 2
+    keys, values = (rng.standard_normal((2, start + n, 32)).astype(np.float32) for _ in range(2))
+    sinks = rng.standard_normal(8).astype(np.float32) * 3 if with_sinks else None
+    want = reference(q, keys, values, start, 0.2, window, sinks)
+    monkeypatch.setattr(ops, "CAUSAL_RUN", 5)
+    assert np.abs(ops.attention(q, keys, values, start, 0.2, window, sinks, ops.Scratch()) - want).max() < 2e-5
+    monkeypatch.setattr(ops, "_compiled_softmax", lambda: None)
+    assert np.abs(ops.attention(q, keys, values, start, 0.2, window, sinks) - want).max() < 2e-5
+
+
 def test_masked_keys_count_for_nothing() -> None:
     """Keys after a query (and before its window) leave its output unchanged, however large."""
     rng = np.random.default_rng(3)
@@ -115,3 +132,30 @@ def test_scores_written_into_one_pass_buffer_have_the_bits_of_new_arrays() -> No
         keys, values = (rng.standard_normal((3, start + n, 64)).astype(np.float32) for _ in range(2))
         np.testing.assert_array_equal(ops.attention(q, keys, values, start, 0.125, scratch=scratch),
                                       ops.attention(q, keys, values, start, 0.125))
+
+
+def test_a_row_of_any_length_gets_numpys_softmax_and_a_nan_reaches_it_all() -> None:
+    """The scaled row's largest value is found a vector at a time, then over the values past
+    its whole vectors: rows of 1-40 values (none, one and two whole vectors, with and without a
+    tail), their largest placed in the vectors or in the tail, and a NaN anywhere."""
+    from numba import njit
+
+    from lmserve.engine_cpu.softmax_kernel import softmax_row
+
+    @njit
+    def softmax(row, scale):  # noqa: ANN001, ANN202
+        softmax_row(row, scale, np.float32(0.0), False)
+
+    rng = np.random.default_rng(11)
+    for length in range(1, 41):
+        for peak_at in {0, length // 2, length - 1}:
+            row = rng.standard_normal(length).astype(np.float32)
+            row[peak_at] = 400.0  # the largest by far: exp of it less any other value overflows float32
+            want = np.exp((row.astype(np.float64) - row.max()) * 0.5)
+            got = row.copy()
+            softmax(got, np.float32(0.5))
+            np.testing.assert_allclose(got, want / want.sum(), rtol=2e-6, atol=1e-30)
+        poisoned = rng.standard_normal(length).astype(np.float32)
+        poisoned[rng.integers(length)] = np.nan
+        softmax(poisoned, np.float32(0.5))
+        assert np.isnan(poisoned).all()

@@ -250,6 +250,16 @@ class Builder:
             cells, width = cells * len(pairs[0]), width // 2
         return [b.extract_element(v, ir.Constant(I32, cell)) for v in vectors for cell in range(cells)]
 
+    def horizontal_max(self, v: ir.Value) -> ir.Value:
+        """The largest of a float vector's lanes (NaN lanes lose every comparison), halving."""
+        b = self.b
+        while v.type.count > 1:
+            half = v.type.count // 2
+            low, high = (b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, half), list(range(at, at + half))))
+                         for at in (0, half))
+            v = b.select(b.fcmp_ordered(">", high, low), high, low)
+        return b.extract_element(v, ir.Constant(I32, 0))
+
     def horizontal_sum(self, v: ir.Value) -> ir.Value:
         """One vector's `horizontal_sums`."""
         (total,) = self.horizontal_sums([v])

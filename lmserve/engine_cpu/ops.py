@@ -49,6 +49,10 @@ SMALL_PRODUCT = 1 << 16
 # threaded products or faster at every context measured, up to this one (figures:
 # docs/PERFORMANCE.md, a decode step's attention on threads).
 ONE_CALL_POSITIONS = 32768
+# A prompt chunk's attention products run this many query positions at a time, each run over the
+# keys it sees only (`_attention_products`; figures: docs/PERFORMANCE.md, measurements behind code
+# choices).
+CAUSAL_RUN = 128
 # A softmax over at least this many scores (a prompt pass's, about a millisecond of work a part) is
 # split between the CPUs, a range of rows on each (`_softmax`; figures: docs/PERFORMANCE.md,
 # measurements behind code choices).
@@ -271,23 +275,57 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     if first:
         keys, values = keys[:, first:], values[:, first:]
     group = n_heads // kv_heads
-    # [kv_heads, group * n, head_dim]: each KV head's query rows in one matrix product.
-    qg = q.reshape(n, kv_heads, group, head_dim).transpose(1, 2, 0, 3).reshape(kv_heads, group * n, head_dim)
+    # [kv_heads, n * group, head_dim]: each KV head's query rows in one matrix, a position's group
+    # together (row i * group + g), so a run of positions is a run of rows.
+    qg = q.reshape(n, kv_heads, group, head_dim).transpose(1, 0, 2, 3).reshape(kv_heads, n * group, head_dim)
     if blocks is None:
-        scores = _scores(qg, keys, scratch)
-        _softmax(scores, n, start, first, scale, window, sinks)
-        out = scores @ values  # [kv_heads, group * n, head_dim]
+        out = _attention_products(qg, keys, values, n, start, first, scale, window, sinks, scratch)
     else:
         kernels = compiled("block_attention_kernel")
         kind, keys, values = kernels.KINDS[blocks], keys.view(np.uint8), values.view(np.uint8)
         qg = np.ascontiguousarray(qg)
-        shape = (kv_heads, group * n, keys.shape[1])
+        shape = (kv_heads, n * group, keys.shape[1])
         scores = np.empty(shape, np.float32) if scratch is None else scratch.take(shape)
         kernels.block_scores(qg, keys, scores, kind)
         _softmax(scores, n, start, first, scale, window, sinks)
         out = np.empty_like(qg)
         kernels.block_mix(scores, values, out, kind)
-    return out.reshape(kv_heads, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, n_heads * head_dim)
+    return out.reshape(kv_heads, n, group, head_dim).transpose(1, 0, 2, 3).reshape(n, n_heads * head_dim)
+
+
+def _attention_products(qg: np.ndarray, keys: np.ndarray, values: np.ndarray, n: int, start: int, first: int,
+                        scale: float, window: int, sinks: np.ndarray | None, scratch: Scratch | None) -> np.ndarray:
+    """`attention`'s scores, softmax and mix in BLAS (`qg` `[kv_heads, n * group, head_dim]`):
+    for a prompt chunk, each run of CAUSAL_RUN positions multiplies only the keys some query of it
+    sees, so the masked half of the chunk's products is mostly skipped; one softmax takes the
+    whole chunk (it reads only the scores a query sees and zeroes the rest)."""
+    kv_heads, rows, _ = qg.shape
+    group, seen = rows // n, keys.shape[1]
+    runs = _visible_runs(n, start, first, window, seen)
+    if len(runs) == 1:
+        scores = _scores(qg, keys, scratch)
+        _softmax(scores, n, start, first, scale, window, sinks)
+        return scores @ values  # [kv_heads, n * group, head_dim]
+    shape = (kv_heads, rows, seen)
+    scores = np.empty(shape, np.float32) if scratch is None else scratch.take(shape)
+    for lo, hi, begin, stop in runs:
+        np.matmul(qg[:, lo * group:hi * group], keys[:, begin:stop].transpose(0, 2, 1),
+                  out=scores[:, lo * group:hi * group, begin:stop])
+    _softmax(scores, n, start, first, scale, window, sinks)
+    out = np.empty_like(qg)
+    for lo, hi, begin, stop in runs:
+        np.matmul(scores[:, lo * group:hi * group, begin:stop], values[:, begin:stop], out=out[:, lo * group:hi * group])
+    return out
+
+
+def _visible_runs(n: int, start: int, first: int, window: int, seen: int) -> list[tuple[int, int, int, int]]:
+    """`(lo, hi, begin, stop)`: queries `lo:hi` of a pass of `n` from position `start` see no
+    key outside columns `begin:stop` (key columns from position `first`): runs of CAUSAL_RUN
+    queries, or one run over every column for a pass of at most that many."""
+    if n <= CAUSAL_RUN:
+        return [(0, n, 0, seen)]
+    return [(lo, min(n, lo + CAUSAL_RUN), max(0, start + lo - window + 1 - first) if window else 0,
+             start + min(n, lo + CAUSAL_RUN) - first) for lo in range(0, n, CAUSAL_RUN)]
 
 
 def reads_blocks(query_rows: int) -> bool:
@@ -408,10 +446,10 @@ def _numpy_softmax(scores: np.ndarray, n: int, start: int, first: int, scale: fl
         hidden = key_pos > query_pos
         if window:
             hidden |= key_pos <= query_pos - window
-        scores.reshape(kv_heads, group, n, seen)[:, :, hidden] = -np.inf
+        scores.reshape(kv_heads, n, group, seen).transpose(0, 2, 1, 3)[:, :, hidden] = -np.inf
     peak = scores.max(axis=-1, keepdims=True)
     if sinks is not None:
-        sink = np.repeat(sinks.reshape(kv_heads, group, 1), n, axis=2).reshape(kv_heads, group * n, 1)
+        sink = np.broadcast_to(sinks.reshape(kv_heads, 1, group), (kv_heads, n, group)).reshape(kv_heads, n * group, 1)
         peak = np.maximum(peak, sink)
     scores -= peak
     np.exp(scores, out=scores)

@@ -1,6 +1,6 @@
 """Attention's masked softmax as one compiled pass per row, over a range of rows per call.
 
-NumPy's softmax over a pass's scores (`[kv_heads, group * n, seen]`) makes six passes (scale,
+NumPy's softmax over a pass's scores (`[kv_heads, n * group, seen]`) makes six passes (scale,
 causal mask, max, subtract, exp, sum and divide), each over the whole array and on one thread
 (figures: docs/PERFORMANCE.md, NumPy engine: prompt passes). Each row reads only the keys its
 query sees, so masked scores are never exponentiated. Numba's loops vectorize with reassociated
@@ -17,7 +17,11 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
+from numba.core.errors import TypingError
 from numba.extending import intrinsic
+
+from lmserve.engine_cpu.kernel_ir import LANES, VF, Builder
 
 # Reassociation (vectorized max and sum) and contraction (FMA); not no-NaN: a NaN score
 # (a model gone wrong) still reaches the output.
@@ -49,12 +53,36 @@ def _exp(x):  # noqa: ANN001, ANN202
     return (p * (r * r) + r + np.float32(1.0)) * _pow2(np.int32(k))
 
 
+@intrinsic
+def _scaled_peak(typingctx, row, scale):  # noqa: ANN001, ANN202, ARG001
+    """`row` times `scale` in place over its whole vectors of LANES values, and the largest of
+    those (-inf for none; a NaN is never the largest), in LLVM vector IR: Numba leaves a loop's
+    `max` reduction scalar, 1.4 cycles a value, where the exponentials' pass took 0.5 (figures:
+    docs/PERFORMANCE.md, measurements behind code choices)."""
+    if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C" and row.dtype == types.float32):
+        raise TypingError(f"_scaled_peak takes a contiguous float32 row, not {row}")
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202, ARG001
+        k, b = Builder(context, builder, signature, args), builder
+        factor = k.splat(args[1])
+        peak = cgutils.alloca_once_value(b, ir.Constant(VF, [float("-inf")] * LANES))
+        length = cgutils.unpack_tuple(b, k.arrays[0].shape, 1)[0]
+        with cgutils.for_range(b, b.udiv(length, ir.Constant(length.type, LANES))) as loop:
+            at = b.mul(loop.index, ir.Constant(length.type, LANES))
+            scaled = b.fmul(k.load_vector(k.data(0), at, VF), factor)
+            k.store_vector(scaled, k.data(0), at)
+            largest = b.load(peak)
+            b.store(b.select(b.fcmp_ordered(">", scaled, largest), scaled, largest), peak)
+        return k.horizontal_max(b.load(peak))
+    return types.float32(row, scale), codegen
+
+
 @njit(fastmath=_FAST, inline="always", nogil=True)
 def softmax_row(row, scale, sink, has_sink):  # noqa: ANN001, ANN201
     """In place: the softmax of `row` times `scale`, the logit `sink` joining its denominator
     (and nothing else) when `has_sink`."""
-    peak = np.float32(-np.inf)
-    for c in range(len(row)):
+    peak = _scaled_peak(row, scale)
+    for c in range(len(row) // LANES * LANES, len(row)):
         scaled = row[c] * scale
         row[c] = scaled
         peak = max(peak, scaled)
@@ -71,8 +99,8 @@ def softmax_row(row, scale, sink, has_sink):  # noqa: ANN001, ANN201
 
 @njit(fastmath=_FAST, error_model="numpy", cache=True, nogil=True)
 def causal_softmax(scores, n, start, first, scale, window, sinks, lo, hi):  # noqa: ANN001, ANN201
-    """In place: rows `lo:hi` (counted over both leading axes) of `scores` `[kv_heads, group * n,
-    seen]` (query head `h * group + g`'s row `g * n + i`, query i at position `start + i`; column c
+    """In place: rows `lo:hi` (counted over both leading axes) of `scores` `[kv_heads, n * group,
+    seen]` (query head `h * group + g`'s row `i * group + g`, query i at position `start + i`; column c
     the key at position `first + c`) times `scale`, then softmax over the keys its query sees (at
     or before it, and within `window` positions when nonzero); the keys it does not see get 0.
     `sinks` `[heads]` (empty: none): a logit per query head that joins each of its rows'
@@ -81,11 +109,11 @@ def causal_softmax(scores, n, start, first, scale, window, sinks, lo, hi):  # no
     group = rows // n
     for t in range(lo, hi):
         h, r = t // rows, t % rows
-        position = start + r % n
+        position = start + r // group
         stop = position - first + 1
         begin = max(0, position - window + 1 - first) if window else 0
         row = scores[h, r]
-        sink = sinks[h * group + r // n] if len(sinks) else np.float32(-np.inf)
+        sink = sinks[h * group + r % group] if len(sinks) else np.float32(-np.inf)
         softmax_row(row[begin:stop], scale, sink, len(sinks) > 0)  # indexed from 0: no negative-index checks
         row[:begin] = 0.0
         row[stop:] = 0.0
