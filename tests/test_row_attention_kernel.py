@@ -89,3 +89,46 @@ def test_decode_steps_give_the_numpy_paths_answers(monkeypatch: pytest.MonkeyPat
     for got, want in zip(compiled, steps(), strict=True):
         assert (got.argmax(-1) == want.argmax(-1)).all()
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "rotary"), [(9, 3, 64, 64), (8, 2, 128, 32), (4, 4, 64, 64)])
+def test_a_prompts_rows_are_rotated_into_the_cache_and_a_kv_heads_positions(heads: int, kv_heads: int, head_dim: int,
+                                                                            rotary: int) -> None:
+    """`rope_rows` for a prompt pass: keys and values where the NumPy path writes them, and each
+    query head's rotated row at `[h // group, r, h % group]`, the layout attention multiplies."""
+    from lmserve.engine_cpu.row_attention_kernel import rope_rows
+
+    n, start, group = 37, 11, heads // kv_heads
+    rng = np.random.default_rng(heads + rotary)
+    projected = rng.standard_normal((n, heads + 2 * kv_heads, head_dim)).astype(np.float32)
+    qk, v = projected[:, :heads + kv_heads], projected[:, heads + kv_heads:]
+    cos, sin = ops.rope_tables(np.arange(start, start + n), 1.0 / 10000 ** (np.arange(0, rotary, 2) / rotary))
+    keys, values = (np.zeros((kv_heads, start + n + 5, head_dim), np.float32) for _ in range(2))
+    q = np.empty((kv_heads, n, group, head_dim), np.float32)
+    rope_rows(qk, v, cos, sin, keys, values, start, q, True)
+    rotated = ops.rope(qk, cos, sin)
+    np.testing.assert_allclose(q, rotated[:, :heads].reshape(n, kv_heads, group, head_dim).transpose(1, 0, 2, 3),
+                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(keys[:, start:start + n], rotated[:, heads:].transpose(1, 0, 2), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(values[:, start:start + n], v.transpose(1, 0, 2))
+    assert not keys[:, :start].any() and not keys[:, start + n:].any() and not values[:, start + n:].any()
+
+
+def test_prompts_rotated_in_one_pass_give_the_numpy_paths_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2 prefilling a prompt in two passes (the second after cached positions, past a run
+    of positions) with the compiled rotation and then with NumPy's."""
+    from lmserve.engine_cpu import attention
+
+    e = engine(default_model_path(), "f32")
+    prompt = list(range(40, 440))
+
+    def logits() -> np.ndarray:
+        cache = e.new_cache(512)
+        first = e.prefill(cache, prompt[:150], all_logits=True)
+        return np.concatenate([first, e.prefill(cache, prompt[150:], all_logits=True)])
+
+    compiled = logits()
+    monkeypatch.setattr(attention, "_rotates_in_one_pass", lambda batch: False)
+    numpy = logits()
+    assert (compiled.argmax(-1) == numpy.argmax(-1)).mean() > 0.99
+    np.testing.assert_allclose(compiled, numpy, rtol=1e-3, atol=2e-3)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from lmserve.engine_cpu import ops
-from lmserve.engine_cpu.batch import Batch
+from lmserve.engine_cpu.batch import Batch, Span
 from lmserve.engine_cpu.weights import AttentionWeights
 
 
@@ -45,6 +45,10 @@ def attend(x: np.ndarray, a: AttentionWeights, batch: Batch, layer: int,
             ops.attend_rows(heads[s.lo:s.hi, :nq + nkv], v[s.lo:s.hi], rope[0][s.lo:s.hi], rope[1][s.lo:s.hi],
                             s.cache.k[layer], s.cache.v[layer], s.start, scale, a.window, a.sinks,
                             out[s.lo:s.hi].reshape(-1, nq, hd))
+    elif _rotates_in_one_pass(batch):
+        for s in batch.spans:
+            _attend_float_cache(heads[s.lo:s.hi], v[s.lo:s.hi], a, s, layer, (rope[0][s.lo:s.hi], rope[1][s.lo:s.hi]),
+                                scale, batch.scratch, out[s.lo:s.hi])
     else:
         _attend_spans(heads, v, a, batch, layer, rope, scale, out)
     if gate is not None:
@@ -60,6 +64,31 @@ def _in_one_call(batch: Batch, group: int) -> bool:
     positions = max(s.start for s in batch.spans) + batch.width
     return (all(s.cache.codec.dtype == np.float32 for s in batch.spans)
             and ops.attends_in_one_call(batch.width * group, positions))
+
+
+def _rotates_in_one_pass(batch: Batch) -> bool:
+    """Whether every cache of the pass is float32 and `row_attention_kernel` is compiled here."""
+    return (all(s.cache.codec.dtype == np.float32 for s in batch.spans)
+            and ops.compiled("row_attention_kernel") is not None)
+
+
+def _attend_float_cache(heads: np.ndarray, v: np.ndarray, a: AttentionWeights, s: Span, layer: int,
+                        rope: tuple[np.ndarray, np.ndarray], scale: float, scratch: ops.Scratch,
+                        out: np.ndarray) -> None:
+    """One float32 cache's rows (`heads` `[n, heads, head_dim]`, `v`) attended into `out` `[n,
+    heads * head_dim]`: rotated, written into the cache and laid out for the products in one
+    compiled pass (`rope_rows`), where NumPy took four passes for the rotation, two for the
+    cache's writes and one more for the layout."""
+    nq, nkv, hd = a.heads
+    n, group = len(heads), nq // nkv
+    keys, values = s.cache.k[layer], s.cache.v[layer]
+    qg = np.empty((nkv, n, group, hd), np.float32)
+    ops.compiled("row_attention_kernel").rope_rows(heads[:, :nq + nkv], v, *rope, keys, values, s.start, qg, True)
+    end = s.start + n
+    first = max(0, s.start - a.window + 1) if a.window else 0  # only the positions some row sees
+    mixed = ops.grouped_attention(qg.reshape(nkv, n * group, hd), n, keys[:, first:end], values[:, first:end],
+                                  s.start - first, scale, a.window, a.sinks, scratch)
+    out.reshape(n, nkv, group, hd)[:] = mixed.reshape(nkv, n, group, hd).transpose(1, 0, 2, 3)
 
 
 def _attend_spans(heads: np.ndarray, v: np.ndarray, a: AttentionWeights, batch: Batch, layer: int,

@@ -125,9 +125,9 @@ def prepare(kv_type: str, experts: bool) -> None:
     """Compile the kernels a pass calls beside the weights' products and the decode halves (or load
     them from Numba's cache) without running them, for the argument types the passes give: every
     prompt's norms and softmax, the attention of a pass of several float32 caches (a decode step's
-    rows are C-ordered views, a verify pass's strided ones), a quantized cache's writer and
-    readers (`kv_type`), a MoE's router (`experts`). Compiled lazily, a fresh install's first
-    prompt and first concurrent streams waited seconds for them."""
+    rows are C-ordered views, a verify pass's strided ones) and a prompt's rotation into one, a
+    quantized cache's writer and readers (`kv_type`), a MoE's router (`experts`). Compiled
+    lazily, a fresh install's first prompt and first concurrent streams waited seconds for them."""
     norm = compiled("norm_kernel")
     if norm is None:
         return
@@ -138,9 +138,10 @@ def prepare(kv_type: str, experts: bool) -> None:
         (norm.rms_norm, (matrix, vector, np.float32(0), matrix)),
         (compiled("softmax_kernel").causal_softmax, (cube, 0, 0, 0, np.float32(0), 0, vector, 0, 0))]
     strided = np.empty((2, 2, 1), np.float32)[:, :1]
+    rows = compiled("row_attention_kernel")
     for qk, v in ((cube, cube), (strided, strided), (strided, cube)):  # (strided, C): Gemma 4's normed values
-        calls.append((compiled("row_attention_kernel").attend_rows,
-                      (qk, v, cube, cube, cube, cube, 0, np.float32(0), 0, NO_SINKS, cube)))
+        calls += [(rows.attend_rows, (qk, v, cube, cube, cube, cube, 0, np.float32(0), 0, NO_SINKS, cube)),
+                  (rows.rope_rows, (qk, v, cube, cube, cube, cube, 0, np.empty((1, 1, 1, 1), np.float32), True))]
     blocks = compiled("block_attention_kernel")
     if kv_type in blocks.KINDS:
         for stored in (np.empty((1, 1, 1), np.uint8), np.empty((2, 2, 1), np.uint8)[:, :1]):  # all positions, or some
@@ -270,27 +271,35 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     kernels read (only where `reads_blocks` says so). Returns `[n, heads * head_dim]`.
     """
     n, n_heads, head_dim = q.shape
-    kv_heads, total, _ = keys.shape
+    kv_heads = keys.shape[0]
+    group = n_heads // kv_heads
+    qg = q.reshape(n, kv_heads, group, head_dim).transpose(1, 0, 2, 3).reshape(kv_heads, n * group, head_dim)
+    out = grouped_attention(qg, n, keys, values, start, scale, window, sinks, scratch, blocks)
+    return out.reshape(kv_heads, n, group, head_dim).transpose(1, 0, 2, 3).reshape(n, n_heads * head_dim)
+
+
+def grouped_attention(qg: np.ndarray, n: int, keys: np.ndarray, values: np.ndarray, start: int, scale: float,
+                      window: int = 0, sinks: np.ndarray | None = None, scratch: Scratch | None = None,
+                      blocks: str | None = None) -> np.ndarray:
+    """`attention` of queries laid out a KV head's rows together, a position's group in a run
+    (row `i * group + g` of `qg` `[kv_heads, n * group, head_dim]`: query head `h * group + g` at
+    position `start + i`), so a run of positions is a run of rows; the result in that layout."""
+    kv_heads, rows, _ = qg.shape
     first = max(0, start - window + 1) if window else 0  # no query here sees a key before it
     if first:
         keys, values = keys[:, first:], values[:, first:]
-    group = n_heads // kv_heads
-    # [kv_heads, n * group, head_dim]: each KV head's query rows in one matrix, a position's group
-    # together (row i * group + g), so a run of positions is a run of rows.
-    qg = q.reshape(n, kv_heads, group, head_dim).transpose(1, 0, 2, 3).reshape(kv_heads, n * group, head_dim)
     if blocks is None:
-        out = _attention_products(qg, keys, values, n, start, first, scale, window, sinks, scratch)
-    else:
-        kernels = compiled("block_attention_kernel")
-        kind, keys, values = kernels.KINDS[blocks], keys.view(np.uint8), values.view(np.uint8)
-        qg = np.ascontiguousarray(qg)
-        shape = (kv_heads, n * group, keys.shape[1])
-        scores = np.empty(shape, np.float32) if scratch is None else scratch.take(shape)
-        kernels.block_scores(qg, keys, scores, kind)
-        _softmax(scores, n, start, first, scale, window, sinks)
-        out = np.empty_like(qg)
-        kernels.block_mix(scores, values, out, kind)
-    return out.reshape(kv_heads, n, group, head_dim).transpose(1, 0, 2, 3).reshape(n, n_heads * head_dim)
+        return _attention_products(qg, keys, values, n, start, first, scale, window, sinks, scratch)
+    kernels = compiled("block_attention_kernel")
+    kind, keys, values = kernels.KINDS[blocks], keys.view(np.uint8), values.view(np.uint8)
+    qg = np.ascontiguousarray(qg)
+    shape = (kv_heads, rows, keys.shape[1])
+    scores = np.empty(shape, np.float32) if scratch is None else scratch.take(shape)
+    kernels.block_scores(qg, keys, scores, kind)
+    _softmax(scores, n, start, first, scale, window, sinks)
+    out = np.empty_like(qg)
+    kernels.block_mix(scores, values, out, kind)
+    return out
 
 
 def _attention_products(qg: np.ndarray, keys: np.ndarray, values: np.ndarray, n: int, start: int, first: int,

@@ -41,15 +41,39 @@ def attend_rows(qk, v, cos, sin, keys, values, start, scale, window, sinks, out)
     n, qk_heads, head_dim = qk.shape
     kv_heads = keys.shape[0]
     heads = qk_heads - kv_heads
+    q = np.empty((n, heads, head_dim), np.float32)
+    rope_rows(qk, v, cos, sin, keys, values, start, q.reshape(n, kv_heads, heads // kv_heads, head_dim), False)
+    if (start + n) * heads < PARALLEL_SCORES:  # a short context's: a thread launch costs more
+        attend_serial(q, keys, values, start, scale, window, sinks, out)
+    else:
+        attend_threaded(q, keys, values, start, scale, window, sinks, out)
+
+
+@njit(fastmath=_FAST, error_model="numpy", cache=True, nogil=True)
+def rope_rows(qk, v, cos, sin, keys, values, start, q, by_kv_head):  # noqa: ANN001, ANN201
+    """`attend_rows`' first part, which a prompt pass over a float32 cache runs too: rows `qk` and
+    `v` rotated (NeoX pairs, dimensions past the tables' `rotary` unrotated), the keys and values
+    written into the cache at `start + r`, and query head h's rotated row r into `q[r, h //
+    group, h % group]` (`q` `[n, kv_heads, group, head_dim]`), or with `by_kv_head` into `q[h //
+    group, r, h % group]` (`[kv_heads, n, group, head_dim]`: `ops.grouped_attention`'s layout,
+    which NumPy would make with another copy)."""
+    n, qk_heads, head_dim = qk.shape
+    kv_heads = keys.shape[0]
+    group = q.shape[2]
+    heads = qk_heads - kv_heads
     rotary = cos.shape[-1]
     half = rotary // 2
-    q = np.empty((n, heads, head_dim), np.float32)
     for r in range(n):
         at = start + r
         c, s = cos[r, 0], sin[r, 0]
         for h in range(qk_heads):
             source = qk[r, h]
-            target = q[r, h] if h < heads else keys[h - heads, at]
+            if h >= heads:
+                target = keys[h - heads, at]
+            elif by_kv_head:
+                target = q[h // group, r, h % group]
+            else:
+                target = q[r, h // group, h % group]
             for d in range(half):
                 target[d] = source[d] * c[d] + source[d + half] * s[d]
             for d in range(half, rotary):
@@ -58,10 +82,6 @@ def attend_rows(qk, v, cos, sin, keys, values, start, scale, window, sinks, out)
                 target[d] = source[d]
         for h in range(kv_heads):
             values[h, at] = v[r, h]
-    if (start + n) * heads < PARALLEL_SCORES:  # a short context's: a thread launch costs more
-        attend_serial(q, keys, values, start, scale, window, sinks, out)
-    else:
-        attend_threaded(q, keys, values, start, scale, window, sinks, out)
 
 
 @njit(fastmath=_FAST, error_model="numpy", cache=True, nogil=True)
