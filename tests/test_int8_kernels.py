@@ -71,22 +71,29 @@ def test_a_row_that_is_not_finite_gives_nan_and_leaves_the_others_alone(qtype: G
 
 
 @pytest.mark.fast
-def test_int8_rows_get_the_same_bits_whatever_they_are_batched_with(int8_dots: None) -> None:
-    matrix, _ = encoded_matrix(T.Q4_K, 97, 512)
-    x = np.random.default_rng(2).standard_normal((KERNEL_ROWS, 512)).astype(np.float32)
-    batched = matrix.times(x)  # in tiles of OUTS matrix rows
+@pytest.mark.parametrize("qtype", INTEGER_TYPES, ids=lambda t: t.name)
+def test_int8_rows_get_the_same_bits_whatever_they_are_batched_with(qtype: GGMLQuantizationType,
+                                                                   int8_dots: None) -> None:
+    """A row's result has the same bits alone (a matrix row at a time), among a few rows and in a
+    prompt chunk's tiles (whose matrix rows `_unpack` decodes once, in x rows by 4, 2 and 1, the
+    last tile past the matrix's last row), and in an expert stack's groups either way."""
+    columns = 512 if qtype in FACTORED_TYPES else 19 * 32  # whole 128-value steps, or 32-value ones past them
+    matrix, _ = encoded_matrix(qtype, 97, columns)
+    x = np.random.default_rng(2).standard_normal((KERNEL_ROWS + 3, columns)).astype(np.float32)
+    batched = int8_kernels.times(x, *matrix.arrays)  # in tiles of OUTS matrix rows (not BLAS past kernel_rows)
     few = matrix.times(x[:7])  # a matrix row at a time (COLUMN_ROWS), x rows by 4, 2 and 1
     assert len(x) > int8_kernels.COLUMN_ROWS >= len(few)
     for i in range(len(x)):
-        assert np.array_equal(matrix.times(x[i:i + 1])[0], batched[i])
+        assert np.array_equal(matrix.times(x[i:i + 1])[0], batched[i]), i
         assert i >= len(few) or np.array_equal(few[i], batched[i])
-    experts, rows_each = 6, 40
-    stack = ExpertStack(encoded_matrix(T.Q6_K, experts * rows_each, 512)[0], experts)
-    groups, firsts = np.array([5, 0, 3]), np.array([0, 4, 5, 7])
-    got = stack.times_grouped(x[:7], groups, firsts)
-    for expert, start, stop in zip(groups.tolist(), firsts[:-1], firsts[1:], strict=True):
-        for row in range(start, stop):
-            assert np.array_equal(got[row], stack[expert].times(x[row:row + 1])[0])
+    experts, rows_each = 6, 41
+    stack = ExpertStack(encoded_matrix(qtype, experts * rows_each, columns)[0], experts)
+    groups = np.array([5, 0, 3])
+    for firsts in (np.array([0, 4, 5, 7]), np.array([0, 19, 20, 27])):  # a matrix row at a time; tiles
+        got = stack.times_grouped(x[:firsts[-1]], groups, firsts)
+        for expert, start, stop in zip(groups.tolist(), firsts[:-1], firsts[1:], strict=True):
+            for row in range(start, stop):
+                assert np.array_equal(got[row], stack[expert].times(x[row:row + 1])[0]), (firsts[1], row)
 
 
 @pytest.mark.fast

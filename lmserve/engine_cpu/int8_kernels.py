@@ -145,6 +145,7 @@ class _Step:
             self.maps = [[(32 * (lane // 4) + half) // size for lane in range(self.lanes)] for half in (0, 16)]
         else:
             self.maps = [[(part * self.bytes + 4 * lane) // size for lane in range(self.lanes)] for part in (0, 1)]
+        self.product_maps = self.maps[:1] if self.maps[0] == self.maps[1] else self.maps  # `products`' vectors'
 
     def weights(self, qrow: ir.Value, first: ir.Value) -> list[ir.Value]:
         """The row's two byte vectors from value `first` on: two int8 halves, or the nibbles' low
@@ -203,6 +204,14 @@ class _Step:
             values.append(b.select(b.bitcast(word, _vector(ir.IntType(1), self.bytes)), b.or_(low, four), low))
         return values
 
+    def lane_scales(self, srow: ir.Value, block: ir.Value) -> list[ir.Value]:
+        """A superblock form's int8 sub-block scales from `block` on, one int32 vector for each
+        of `products`' vectors: each lane's scale as the low int16 (the high one 0), for `vpdpwssd`."""
+        b, lanes = self.b, _vector(I32, self.lanes)
+        subs = b.zext(b.sext(self.k.load_vector(srow, block, _vector(I8, self.blocks)), _vector(I16, self.blocks)),
+                      _vector(I32, self.blocks))
+        return [b.shuffle_vector(subs, subs, ir.Constant(lanes, lane_map)) for lane_map in self.product_maps]
+
     def weight_sums(self, weights: list[ir.Value]) -> list[ir.Value] | None:
         """Signed weights: 128 times their sums per lane, to take off the products with x + 128."""
         if self.unsigned:
@@ -225,7 +234,7 @@ class _Step:
             dots = [(w, x) for w, x in zip(weights, xs, strict=True)]
         else:
             dots = [(x, w) for w, x in zip(weights, xs, strict=True)]  # x + 128 the unsigned side
-        if self.maps[0] == self.maps[1]:
+        if len(self.product_maps) == 1:
             product = b.call(self.dot, [b.call(self.dot, [self.zero, *dots[0]]), *dots[1]])
             if sums is not None:
                 product = b.sub(product, b.add(sums[0], sums[1]))
@@ -236,12 +245,14 @@ class _Step:
         return list(zip(products, self.maps, strict=True))
 
 
-def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
+def _dots(rows: int, outs: int, unpacked: bool):  # noqa: ANN202  (a Numba intrinsic)
     """`out[r0 + r, o0 + j] = sum_b scale[o, b] * dx[r0 + r, b] * (q[o, b] . xq[r0 + r, b]) +
     offset[o, b] * xsum[r0 + r, b]` (o = o0 + j) for r < `rows`, j < `outs`: a tile of the result
-    (dx a superblock's, not a block's, where `by_superblock`)."""
+    (dx a superblock's, not a block's, where `by_superblock`). Where `unpacked`, the whole WIDE
+    steps' weights (and a superblock form's lane scales) come from `_unpack`'s rows in argument
+    `unpacked`, not from q; the arithmetic is the same either way."""
     @intrinsic
-    def dots(typingctx, xq, q, scale, offset, supers, dx, xsum, out, o0, r0):  # noqa: ANN001, ANN202, ARG001
+    def dots(typingctx, xq, q, scale, offset, supers, dx, xsum, out, o0, r0, unpacked_rows):  # noqa: ANN001, ANN202, ARG001
         def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
             k = Builder(context, builder, signature, args)
             b = builder
@@ -257,6 +268,14 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
             wide = b.udiv(values, ir.Constant(I64, WIDE))
             narrow = b.udiv(b.sub(values, b.mul(wide, ir.Constant(I64, WIDE))), ir.Constant(I64, NARROW))
             totals = [[cgutils.alloca_once_value(b, ir.Constant(F32, 0.0)) for _ in range(rows)] for _ in range(outs)]
+            decoded = [k.row(10, ir.Constant(I64, j)) for j in range(outs)] if unpacked else None
+
+            def weights_of(step: _Step, j: int, first: ir.Value) -> list[ir.Value]:
+                """Matrix row j's two byte vectors from value `first` on (`_Step.weights`)."""
+                if decoded is None or step.width != WIDE or not step.nibble_order:
+                    return step.weights(qrows[j], first)
+                return [k.load_vector(decoded[j], b.add(first, ir.Constant(I64, p * step.bytes)), _vector(I8, step.bytes))
+                        for p in (0, 1)]
 
             def accumulators(width: int) -> list[list[ir.Value]]:
                 """A zeroed float32 vector of `width` lanes on the stack for each cell of the tile."""
@@ -286,12 +305,12 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
                         dxs = [k.load_vector(row, block, blocks) for row in dxrows]
                         sums = [k.load_vector(row, block, blocks) for row in sumrows]
                         xs = [step.activations(row, first) for row in xrows]
-                        for j, (qrow, (srow, mrow, super_row)) in enumerate(zip(qrows, sources, strict=True)):
+                        for j, (srow, mrow, super_row) in enumerate(sources):
                             factors = b.shl(b.udiv(first, ir.Constant(I64, SUPERBLOCK)), ir.Constant(I64, 1))
                             s, m = (k.expand(source, block, step.blocks, k.dtypes[2],
                                              k.at(super_row, b.add(factors, ir.Constant(I64, i))))
                                     for i, source in enumerate((srow, mrow)))
-                            weights = step.weights(qrow, first)
+                            weights = weights_of(step, j, first)
                             weight_sums = step.weight_sums(weights)
                             for r in range(rows):
                                 scaled = b.fmul(s, dxs[r])
@@ -326,16 +345,16 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
                         first = b.add(b.mul(loop.index, ir.Constant(I64, SUPERBLOCK)), ir.Constant(I64, half * WIDE))
                         block = b.add(first_block, ir.Constant(I64, half * step.blocks))
                         xs = [step.activations(row, first) for row in xrows]
-                        for j, (qrow, (srow, _, _)) in enumerate(zip(qrows, sources, strict=True)):
-                            # Each lane's scale as the low int16 of an int32 (the high one 0)
-                            subs = b.zext(b.sext(k.load_vector(srow, block, _vector(I8, step.blocks)),
-                                                 _vector(I16, step.blocks)), _vector(I32, step.blocks))
-                            scales = {tuple(lane_map): b.shuffle_vector(subs, subs, ir.Constant(lanes_i, lane_map))
-                                      for lane_map in step.maps}
-                            weights = step.weights(qrow, first)
+                        for j, (srow, _, _) in enumerate(sources):
+                            if decoded is None:
+                                scales = _Step.lane_scales(step, srow, block)
+                            else:  # as `_unpack` stored them past the weights
+                                scales = [k.load_vector(decoded[j], b.add(b.add(values, first), ir.Constant(I64, m * step.bytes)),
+                                                        lanes_i) for m in range(len(step.product_maps))]
+                            weights = weights_of(step, j, first)
                             for r in range(rows):
-                                for product, lane_map in step.products(weights, None, xs[r]):
-                                    integer[j][r] = b.call(step.scaled_dot, [integer[j][r], product, scales[tuple(lane_map)]])
+                                for (product, _), lane_scales in zip(step.products(weights, None, xs[r]), scales, strict=True):
+                                    integer[j][r] = b.call(step.scaled_dot, [integer[j][r], product, lane_scales])
                     dxs = [b.load(k.at(row, loop.index)) for row in dxrows]
                     sums = [k.load_vector(row, first_block, blocks) for row in sumrows]
                     factors = b.shl(loop.index, ir.Constant(I64, 1))
@@ -358,28 +377,73 @@ def _dots(rows: int, outs: int):  # noqa: ANN202  (a Numba intrinsic)
                 for r in range(rows):
                     b.store(b.load(totals[j][r]), k.at(k.row(7, r_index[r]), o_index[j]))
             return context.get_dummy_value()
-        return types.void(xq, q, scale, offset, supers, dx, xsum, out, o0, r0), codegen
+        return types.void(xq, q, scale, offset, supers, dx, xsum, out, o0, r0, unpacked_rows), codegen
     return dots
+
+
+def _unpack(outs: int):  # noqa: ANN202  (a Numba intrinsic)
+    """Matrix rows `o0:o0 + outs` (past the last: it again), their whole WIDE steps as
+    `_Step.weights` decodes them, a byte a value, into the rows of `unpacked` (2 bytes a value),
+    and for a superblock form each step's `_Step.lane_scales` after them: a tile then decodes its
+    matrix rows once, not once for each x rows it takes (prompt-sized products of the packed
+    forms ran 3-23% faster; figures: docs/PERFORMANCE.md). int8 values are read as they are."""
+    @intrinsic
+    def unpack(typingctx, q, scale, unpacked, o0):  # noqa: ANN001, ANN202, ARG001
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            k = Builder(context, builder, signature, args)
+            b = builder
+            last = b.sub(cgutils.unpack_tuple(b, k.arrays[0].shape, 2)[0], ir.Constant(I64, 1))
+            form = as_dtype(k.dtypes[0])
+            values = b.udiv(k.columns(2), ir.Constant(I64, 2))
+            superblocks = by_superblock(form, as_dtype(k.dtypes[1]))
+            if form == INT8:  # read as they are: nothing to decode
+                return context.get_dummy_value()
+
+            def emit(size: int) -> None:
+                step = _Step(k, WIDE, size, form)
+
+                def store(vector: ir.Value, target: ir.Value, at: ir.Value) -> None:
+                    b.store(vector, b.bitcast(k.at(target, at), vector.type.as_pointer()), align=1)
+
+                for j in range(outs):
+                    o = b.add(args[3], ir.Constant(I64, j))
+                    o = b.select(b.icmp_signed("<", o, last), o, last)
+                    target = k.row(2, ir.Constant(I64, j))
+                    with cgutils.for_range(b, b.udiv(values, ir.Constant(I64, WIDE))) as loop:
+                        first = b.mul(loop.index, ir.Constant(I64, WIDE))
+                        for p, vector in enumerate(step.weights(k.row(0, o), first)):
+                            store(vector, target, b.add(first, ir.Constant(I64, p * step.bytes)))
+                        if superblocks:
+                            block = b.udiv(first, ir.Constant(I64, size))
+                            for m, vector in enumerate(step.lane_scales(k.row(1, o), block)):
+                                store(vector, target, b.add(b.add(values, first), ir.Constant(I64, m * step.bytes)))
+            k.by_block_size(emit, 0, 1)
+            return context.get_dummy_value()
+        return types.void(q, scale, unpacked, o0), codegen
+    return unpack
 
 
 def _by_rows(four, two, one):  # noqa: ANN001, ANN202  (Numba intrinsics in, a Numba function out)
     """The product of matrix rows from `o` on with x rows `r:stop` by tiles of a row count: four x
     rows at a time, then two, then one."""
     @njit(inline="always", nogil=True)
-    def run(xq, q, scale, offset, supers, dx, xsum, out, o, r, stop):  # noqa: ANN001, ANN202
+    def run(xq, q, scale, offset, supers, dx, xsum, out, o, r, stop, unpacked):  # noqa: ANN001, ANN202
         while r + 4 <= stop:
-            four(xq, q, scale, offset, supers, dx, xsum, out, o, r)
+            four(xq, q, scale, offset, supers, dx, xsum, out, o, r, unpacked)
             r += 4
         if r + 2 <= stop:
-            two(xq, q, scale, offset, supers, dx, xsum, out, o, r)
+            two(xq, q, scale, offset, supers, dx, xsum, out, o, r, unpacked)
             r += 2
         if r < stop:
-            one(xq, q, scale, offset, supers, dx, xsum, out, o, r)
+            one(xq, q, scale, offset, supers, dx, xsum, out, o, r, unpacked)
     return run
 
 
-_tiles = _by_rows(*(_dots(rows, OUTS) for rows in (4, 2, 1)))  # matrix rows `o:o + OUTS`
-_column = _by_rows(*(_dots(rows, 1) for rows in (4, 2, 1)))  # matrix row `o`
+# Matrix rows `o:o + OUTS`, from `_unpack_tile`'s rows; matrix row `o`, from the matrix itself
+# (`unpacked` unread). Either way a row gets the same bits.
+_tiles = _by_rows(*(_dots(rows, OUTS, unpacked=True) for rows in (4, 2, 1)))
+_column = _by_rows(*(_dots(rows, 1, unpacked=False) for rows in (4, 2, 1)))
+_unpack_tile = _unpack(OUTS)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -392,10 +456,14 @@ def _times(x, q, scale, offset, supers, layout, superblocks):  # noqa: ANN001, A
     out = np.empty((x.shape[0], q.shape[0]), np.float32)
     if x.shape[0] <= COLUMN_ROWS:
         for o in prange(q.shape[0]):
-            _column(xq, q, scale, offset, supers, dx, xsum, out, o, 0, x.shape[0])
+            _column(xq, q, scale, offset, supers, dx, xsum, out, o, 0, x.shape[0], xq)
         return out
-    for tile in prange(-(-q.shape[0] // OUTS)):
-        _tiles(xq, q, scale, offset, supers, dx, xsum, out, tile * OUTS, 0, x.shape[0])
+    tiles = -(-q.shape[0] // OUTS)
+    for p in prange(PARTS):
+        unpacked = np.empty((OUTS, 2 * x.shape[1]), np.int8)
+        for tile in range(tiles * p // PARTS, tiles * (p + 1) // PARTS):
+            _unpack_tile(q, scale, unpacked, tile * OUTS)
+            _tiles(xq, q, scale, offset, supers, dx, xsum, out, tile * OUTS, 0, x.shape[0], unpacked)
     return out
 
 
@@ -411,15 +479,17 @@ def _grouped_times(x, q, scale, offset, supers, layout, superblocks, experts, fi
             for t in range(bounds[p], bounds[p + 1]):
                 g, o = t // rows, t % rows
                 e = experts[g]
-                _column(xq, q[e], scale[e], offset[e], supers[e], dx, xsum, out, o, firsts[g], firsts[g + 1])
+                _column(xq, q[e], scale[e], offset[e], supers[e], dx, xsum, out, o, firsts[g], firsts[g + 1], xq)
         return out
     tiles = -(-rows // OUTS)
     bounds = even_work(firsts, tiles, PARTS)  # the threads' tiles by work: groups' rows differ
     for p in prange(PARTS):
+        unpacked = np.empty((OUTS, 2 * x.shape[1]), np.int8)
         for t in range(bounds[p], bounds[p + 1]):
             g, o = t // tiles, (t % tiles) * OUTS
             e = experts[g]
-            _tiles(xq, q[e], scale[e], offset[e], supers[e], dx, xsum, out, o, firsts[g], firsts[g + 1])
+            _unpack_tile(q[e], scale[e], unpacked, o)
+            _tiles(xq, q[e], scale[e], offset[e], supers[e], dx, xsum, out, o, firsts[g], firsts[g + 1], unpacked)
     return out
 
 

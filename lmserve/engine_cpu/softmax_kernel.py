@@ -23,8 +23,8 @@ from numba.extending import intrinsic
 
 from lmserve.engine_cpu.kernel_ir import LANES, VF, Builder
 
-# Reassociation (vectorized max and sum) and contraction (FMA); not no-NaN: a NaN score
-# (a model gone wrong) still reaches the output.
+# Reassociation (the vectorized sum; the largest value is `_scaled_peak`'s vector IR) and
+# contraction (FMA); not no-NaN: a NaN score (a model gone wrong) still reaches the output.
 _FAST = {"reassoc", "contract", "nsz"}
 _LOG2E = np.float32(1.44269504088896341)
 _LN2_HIGH, _LN2_LOW = np.float32(0.693359375), np.float32(-2.12194440e-4)  # ln 2 in two parts
