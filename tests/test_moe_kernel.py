@@ -37,3 +37,25 @@ def test_a_decode_steps_router_logits_are_the_product(monkeypatch: pytest.Monkey
     got = moe._router_logits(x, router)
     monkeypatch.setattr(ops, "compiled", lambda _name: None)
     np.testing.assert_allclose(got, moe._router_logits(x, router), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("rows", "experts", "k"), [(1, 8, 2), (5, 32, 4), (300, 128, 8)])
+def test_the_compiled_weighted_sum_of_experts_has_the_numpy_passes_bits(rows: int, experts: int, k: int,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each row's experts' outputs, scaled by their weights and added in the experts' order, in
+    one compiled pass (`moe_kernel.add_weighted`) as in NumPy's scale, gather and sum."""
+    rng = np.random.default_rng(rows)
+    chosen = np.stack([rng.choice(experts, k, replace=False) for _ in range(rows)])
+    weights = rng.dirichlet(np.ones(k), rows).astype(np.float32)
+    outputs = (rng.standard_normal((rows * k, 96)) * 10.0 ** rng.integers(-3, 4, (rows * k, 96))).astype(np.float32)
+    monkeypatch.setattr(moe, "_expert_outputs", lambda *_args: outputs.copy())
+    x = np.zeros((rows, 96), np.float32)
+    got = moe._experts(x, None, chosen, weights, None)
+    monkeypatch.setattr(ops, "compiled", lambda _name: None)
+    want = moe._experts(x, None, chosen, weights, None)
+    np.testing.assert_array_equal(got, want)
+    order = np.argsort(chosen.ravel(), kind="stable")
+    by_hand = np.zeros((rows, 96), np.float64)
+    for i, pair in enumerate(order):
+        by_hand[pair // k] += outputs[i].astype(np.float64) * weights.ravel()[pair]
+    np.testing.assert_allclose(got, by_hand, rtol=1e-5, atol=1e-5 * np.abs(by_hand).max())

@@ -76,13 +76,19 @@ def _experts(x: np.ndarray, m: ExpertWeights, chosen: np.ndarray, weights: np.nd
              activation: Activation) -> np.ndarray:
     """Each row's chosen experts `[n, k]`, run and summed by `weights` `[n, k]`; each selected
     expert runs once, on the rows routed to it. Each row's sum has the bits of adding its experts'
-    outputs to zeros in the experts' order, whatever path computed them."""
+    outputs to zeros in the experts' order, whatever path computed them (`moe_kernel.add_weighted`
+    where Numba is, NumPy's passes where not)."""
     n, k = chosen.shape
     order = np.argsort(chosen.ravel(), kind="stable")  # (row, slot) pairs grouped by expert
     experts, rows = chosen.ravel()[order], order // k  # a row picks an expert at most once
     bounds = np.flatnonzero(experts[1:] != experts[:-1]) + 1
     firsts = np.concatenate(([0], bounds, [len(experts)]))
     y = _expert_outputs(x[rows], m, experts, firsts, activation)
+    kernel = ops.compiled("moe_kernel")
+    if kernel is not None:
+        out = np.zeros((n, y.shape[1]), np.float32)
+        kernel.add_weighted(y, np.ascontiguousarray(weights, np.float32).ravel(), order, k, out)
+        return out
     y *= weights.ravel()[order, None]
     by_row = y[np.argsort(rows, kind="stable").reshape(n, k)]  # [n, k, hidden], experts in order
     return by_row.sum(axis=1)  # adds the k outputs in turn, as a loop over them would

@@ -99,9 +99,18 @@ def moe_half(h, norm, eps, router, topk_softmax, k, gate_up, down):  # noqa: ANN
     hidden = np.empty((len(order), both.shape[1] // 2), np.float32)
     silu_mul(both, hidden)
     y = _grouped_times(hidden, *down, groups, firsts)
-    for i in range(len(order)):
-        y[i] *= pair_weights[order[i]]
     out = np.zeros_like(h)
-    for i in range(len(order)):  # each row's outputs in the experts' order, added in turn
-        out[order[i] // k] += y[i]
+    add_weighted(y, pair_weights, order, k, out)
     h += out
+
+
+@njit(cache=True, nogil=True)
+def add_weighted(y, weights, order, k, out):  # noqa: ANN001, ANN201
+    """`out[pair // k] += y[i] * weights[pair]` (pair = `order[i]`) for each row i of the experts'
+    outputs `y` in turn: grouped by expert, so each row gets its outputs in the experts' order.
+    One pass over `y`, where scaling it, gathering it by row and summing took three."""
+    for i in range(len(order)):
+        pair = order[i]
+        weight, row = weights[pair], out[pair // k]
+        for c in range(y.shape[1]):
+            row[c] += y[i, c] * weight

@@ -126,7 +126,7 @@ def prepare(kv_type: str, experts: bool) -> None:
     them from Numba's cache) without running them, for the argument types the passes give: every
     prompt's norms and softmax, the attention of a pass of several float32 caches (a decode step's
     rows are C-ordered views, a verify pass's strided ones) and a prompt's rotation into one, a
-    quantized cache's writer and readers (`kv_type`), a MoE's router (`experts`). Compiled
+    quantized cache's writer and readers (`kv_type`), a MoE's router and weighted sum (`experts`). Compiled
     lazily, a fresh install's first prompt and first concurrent streams waited seconds for them."""
     norm = compiled("norm_kernel")
     if norm is None:
@@ -150,8 +150,10 @@ def prepare(kv_type: str, experts: bool) -> None:
         calls.append((compiled("q8_0_kernel").q8_0_blocks, (matrix, np.empty((1, 1), np.uint8))))
     if experts:
         moe = compiled("moe_kernel")
+        ids = np.empty(1, np.int64)
         calls += [(moe.router_logits, (matrix, matrix, matrix)),
-                  (moe.route, (matrix, True, np.empty((1, 1), np.int64), matrix))]
+                  (moe.route, (matrix, True, np.empty((1, 1), np.int64), matrix)),
+                  (moe.add_weighted, (matrix, vector, ids, 0, matrix))]
     for function, arguments in calls:
         function.compile(tuple(numba.typeof(argument) for argument in arguments))
 
