@@ -1,7 +1,7 @@
 """A decode step's plain layer halves as compiled calls (`decode_layer`): which families' layers
 take them (with int8 activations: a matrix on the float kernels keeps its half in Python), and
 one-stream decode steps, a verify pass and a batched step giving the Python path's logits to the
-bit, over a float32 cache (both halves) and a q8_0 one (the FFN half only)."""
+bit, over a float32 cache and a q8_0 one."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ MODELS = {"SmolLM2, f32 KV": (default_model_path(), "f32"), "SmolLM2, q8_0 KV": 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_compiled_halves_give_the_python_paths_logits(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A q8_0 cache keeps the attention half in Python; qwen3moe's FFN half is its experts'."""
+    """qwen3moe's FFN half is its experts'; a batch's attention is a call a cache (Python's loop)."""
     e = engine(*MODELS[model])
     assert any(h.attention is not None or h.ffn is not None or h.moe is not None for h in e._halves)
     vocab = e.config.vocab_size

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from lmserve.engine.kv_types import KV_TYPES, check_head_sizes
-from lmserve.engine_cpu import CPUEngine
+from lmserve.engine_cpu import CPUEngine, kv_codec
 from lmserve.engine_cpu.kv_codec import KVCodec, q8_0_blocks
 from lmserve.model.config import ModelConfig
 from lmserve.model.default_model import default_model_path
@@ -86,15 +86,21 @@ def test_a_block_type_needs_whole_blocks_per_head() -> None:
         check_head_sizes(KV_TYPES["q4_0"], [64, 80])
 
 
-def test_q8_0_blocks_are_the_bytes_of_gguf_s_quantizer() -> None:
-    """The compiled q8_0 writer (`q8_0_kernel`, beside every decode step) gives the bytes of
-    `gguf`'s quantizer, ggml's reference: blocks of every scale, a block of zeros, and values whose
-    scaled magnitude is exactly half way (rounded away from zero)."""
+def blocks_of_every_scale() -> np.ndarray:
+    """600 blocks of 32 values from 1e-6 to 1e4, a block of zeros, and one whose q8_0 scale is 1,
+    so that every other value is half way between two levels."""
     rng = np.random.default_rng(5)
     blocks = rng.standard_normal((600, 32)).astype(np.float32) * np.logspace(-6, 4, 600, dtype=np.float32)[:, None]
     blocks[7] = 0
     blocks[8] = np.arange(-15.5, 16.5, dtype=np.float32)
-    blocks[8, 0] = -127  # d = 1: every other value is x.5
+    blocks[8, 0] = -127  # q8_0's d = 1
+    return blocks
+
+
+def test_q8_0_blocks_are_the_bytes_of_gguf_s_quantizer() -> None:
+    """The compiled q8_0 writer (`kv_encode_kernel`, beside every decode step) gives the bytes of
+    `gguf`'s quantizer, ggml's reference, halves rounded away from zero."""
+    blocks = blocks_of_every_scale()
     codec = KVCodec(KV_TYPES["q8_0"])
     heads = blocks.reshape(3, 100, 64)
     assert np.array_equal(codec.encode(heads), quantize(codec.turn(heads), GGMLQuantizationType.Q8_0))
@@ -102,3 +108,23 @@ def test_q8_0_blocks_are_the_bytes_of_gguf_s_quantizer() -> None:
         out = np.empty((600, 34), np.uint8)
         q8_0_blocks(blocks, out)
         assert np.array_equal(out, quantize(blocks, GGMLQuantizationType.Q8_0))
+
+
+@pytest.mark.skipif(kv_codec.q4_0_blocks is None, reason="numba is not installed (macOS: MLX serves)")
+def test_compiled_q4_0_blocks_and_turn_are_the_numpy_ones() -> None:
+    """The compiled q4_0 writer picks each block's scale as `kv_codec`'s NumPy search does, to
+    the byte (its error sums in NumPy's order); the compiled turn (a decode step's, in
+    `block_attention_kernel`) is the Hadamard matrix product to float32 rounding, and its own
+    inverse."""
+    from lmserve.engine_cpu.kv_encode_kernel import turn_blocks
+
+    blocks = blocks_of_every_scale()
+    out = np.empty((600, 18), np.uint8)
+    kv_codec.q4_0_blocks(blocks, out, kv_codec.Q4_FACTORS)
+    assert np.array_equal(out, kv_codec._q4_0(blocks))
+    turned = blocks.copy()
+    turn_blocks(turned)
+    peak = np.abs(blocks).max(-1, keepdims=True)
+    assert (np.abs(turned - blocks @ kv_codec._TURN) <= 1e-6 * peak).all()
+    turn_blocks(turned)
+    assert (np.abs(turned - blocks) <= 1e-6 * peak).all()

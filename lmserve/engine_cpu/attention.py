@@ -41,10 +41,11 @@ def attend(x: np.ndarray, a: AttentionWeights, batch: Batch, layer: int,
         heads[:, nq:nq + nkv] = ops.rms_norm(heads[:, nq:nq + nkv], a.k_norm, eps)
     out = np.empty((n, nq * hd), dtype=np.float32)
     if _in_one_call(batch, nq // nkv):
+        blocks = stored_blocks(batch)
         for s in batch.spans:
             ops.attend_rows(heads[s.lo:s.hi, :nq + nkv], v[s.lo:s.hi], rope[0][s.lo:s.hi], rope[1][s.lo:s.hi],
                             s.cache.k[layer], s.cache.v[layer], s.start, scale, a.window, a.sinks,
-                            out[s.lo:s.hi].reshape(-1, nq, hd))
+                            out[s.lo:s.hi].reshape(-1, nq, hd), blocks)
     elif _rotates_in_one_pass(batch):
         for s in batch.spans:
             _attend_float_cache(heads[s.lo:s.hi], v[s.lo:s.hi], a, s, layer, (rope[0][s.lo:s.hi], rope[1][s.lo:s.hi]),
@@ -59,11 +60,17 @@ def attend(x: np.ndarray, a: AttentionWeights, batch: Batch, layer: int,
     return out
 
 
+def stored_blocks(batch: Batch) -> str | None:
+    """The `--kv-type` of the pass's caches where they store rows that `ops.attention` reads as
+    `blocks` (q8_0, q4_0, f16), None for float32 ones (a pass's caches are all the engine's type)."""
+    codec = batch.spans[0].cache.codec
+    return None if codec.dtype == np.float32 else codec.type.name
+
+
 def _in_one_call(batch: Batch, group: int) -> bool:
-    """Whether every cache of the pass is float32 and `ops.attends_in_one_call` takes the pass."""
+    """Whether `ops.attends_in_one_call` takes the pass."""
     positions = max(s.start for s in batch.spans) + batch.width
-    return (all(s.cache.codec.dtype == np.float32 for s in batch.spans)
-            and ops.attends_in_one_call(batch.width * group, positions))
+    return ops.attends_in_one_call(batch.width * group, positions, stored_blocks(batch))
 
 
 def _rotates_in_one_pass(batch: Batch) -> bool:
@@ -93,8 +100,8 @@ def _attend_float_cache(heads: np.ndarray, v: np.ndarray, a: AttentionWeights, s
 
 def _attend_spans(heads: np.ndarray, v: np.ndarray, a: AttentionWeights, batch: Batch, layer: int,
                   rope: tuple[np.ndarray, np.ndarray], scale: float, out: np.ndarray) -> None:
-    """Each cache's rows rotated, written and attended in NumPy (and the compiled block readers),
-    into `out` `[n, heads * head_dim]`."""
+    """Each cache's rows rotated, written and attended in NumPy (a quantized cache's read back
+    into float32), into `out` `[n, heads * head_dim]`."""
     nq, nkv, hd = a.heads
     qk = ops.rope(heads[:, :nq + nkv], *rope)  # Q and K in one pass
     q, k = qk[:, :nq], qk[:, nq:]
@@ -105,12 +112,8 @@ def _attend_spans(heads: np.ndarray, v: np.ndarray, a: AttentionWeights, batch: 
         values[:, s.start:end] = codec.encode(v[s.lo:s.hi].transpose(1, 0, 2))
         # Only the positions some row of the pass can see are read back (a sliding window's).
         # A quantized cache holds them in a turned basis: the query turns the same way, the output back.
-        # A decode step reads the stored rows themselves (the compiled kernels), a prompt pass float32.
         first = max(0, s.start - a.window + 1) if a.window else 0
-        keys, values = keys[:, first:end], values[:, first:end]
-        blocks = codec.type.name if codec.dtype != np.float32 and ops.reads_blocks(batch.width * nq // nkv) else None
-        if blocks is None:
-            keys, values = codec.decode(keys), codec.decode(values)
+        keys, values = codec.decode(keys[:, first:end]), codec.decode(values[:, first:end])
         mixed = ops.attention(codec.turn(q[s.lo:s.hi]), keys, values, s.start - first, scale, a.window, a.sinks,
-                              batch.scratch, blocks)
+                              batch.scratch)
         out[s.lo:s.hi] = codec.unturn(mixed.reshape(-1, nq, hd)).reshape(-1, nq * hd)

@@ -6,8 +6,9 @@ it (Llama, Mistral, SmolLM2, Qwen3 with its q/k norms; sliding windows and sinks
 SwiGLU FFN with no norm after it, or a plain SwiGLU mixture of experts (`moe_kernel.moe_half`,
 Qwen3 MoE); each of its matrices (or each part of a stack of them, as Q4_K_M's Q/K/V) kept on the
 int8 kernels. A pass takes the attention half when
-it extends one float32 cache by a few rows (a one-stream decode step or verify pass, where
-`ops.attends_in_one_call`), the FFN half for any decode-sized pass (KERNEL_ROWS rows). Anything
+it extends one cache by a few rows (a one-stream decode step or verify pass, where
+`ops.attends_in_one_call`: a float32 cache's or a q8_0 / q4_0 / f16 one's), the FFN half for any
+decode-sized pass (KERNEL_ROWS rows). Anything
 else runs the Python path, which gives each row the same values up to float32 rounding.
 """
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmserve.engine_cpu import ops
+from lmserve.engine_cpu.attention import stored_blocks
 from lmserve.engine_cpu.batch import Batch
 from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, ExpertStack, Matrix, MatrixStack, QuantMatrix
 from lmserve.engine_cpu.weights import AttentionWeights, Experts, LayerWeights
@@ -80,10 +82,10 @@ def _moe_half(layer: LayerWeights, config: ModelConfig) -> tuple | None:
     return (layer.ffn_norm, m.router, config.router == ROUTE_TOPK_SOFTMAX, config.n_experts_used, gate_up, down)
 
 
-def prepare(halves: list[CompiledHalves]) -> None:
-    """Compile the halves for the argument types these layers pass (or load them from Numba's
-    cache) without running them: compiled lazily, the first decode step after an install waited
-    seconds for them (the rest a pass calls: `ops.prepare`)."""
+def prepare(halves: list[CompiledHalves], kv_type: str) -> None:
+    """Compile the halves for the argument types these layers pass over a `kv_type` cache (or load
+    them from Numba's cache) without running them: compiled lazily, the first decode step after an
+    install waited seconds for them (the rest a pass calls: `ops.prepare`)."""
     kernel, moe = ops.compiled("decode_layer_kernel"), ops.compiled("moe_kernel")
     if kernel is None:
         return
@@ -92,9 +94,11 @@ def prepare(halves: list[CompiledHalves]) -> None:
     for half in halves:
         if half.attention is not None:
             norm, qkv, o, heads, q_norm, k_norm, window, sinks = half.attention
-            cache = np.empty((heads[1], 1, heads[2]), np.float32)
+            blocks = None if kv_type == "f32" else kv_type  # rows as `ops.stored_rows` gives them
+            stored = np.empty((heads[1], 1, heads[2]), np.float32 if blocks is None else np.uint8)
             signatures.add((kernel.attention_half, _types(rows, norm, np.float32(0), qkv, o, heads, q_norm, k_norm,
-                                                           table, table, cache, cache, 0, np.float32(0), window, sinks)))
+                                                           table, table, stored, stored, 0, np.float32(0), window,
+                                                           sinks, *ops.block_kind(blocks))))
         if half.ffn is not None:
             norm, gate_up, down = half.ffn
             signatures.add((kernel.ffn_half, _types(rows, norm, np.float32(0), gate_up, down)))
@@ -144,12 +148,13 @@ def attention_half(h: np.ndarray, halves: CompiledHalves, batch: Batch, layer: i
         return False
     (s,) = batch.spans
     norm, qkv, o, heads, q_norm, k_norm, window, sinks = halves.attention
-    if s.cache.codec.dtype != np.float32 or not ops.attends_in_one_call(batch.width * heads[0] // heads[1],
-                                                                        s.start + batch.width):
+    blocks = stored_blocks(batch)
+    if not ops.attends_in_one_call(batch.width * heads[0] // heads[1], s.start + batch.width, blocks):
         return False
     ops.compiled("decode_layer_kernel").attention_half(
-        h, norm, np.float32(eps), qkv, o, heads, q_norm, k_norm, rope[0], rope[1], s.cache.k[layer], s.cache.v[layer],
-        s.start, np.float32(scale), window, sinks)
+        h, norm, np.float32(eps), qkv, o, heads, q_norm, k_norm, rope[0], rope[1],
+        *ops.stored_rows(s.cache.k[layer], s.cache.v[layer], blocks), s.start, np.float32(scale), window, sinks,
+        *ops.block_kind(blocks))
     return True
 
 

@@ -1,5 +1,6 @@
 """A decode step's plain layer halves as compiled calls: the attention half (RMSNorm, the fused QKV
-product, Qwen3's q/k norms, `row_attention_kernel`'s attention over one float32 cache, the output
+product, Qwen3's q/k norms, the attention over one cache (`row_attention_kernel`'s over float32,
+`block_attention_kernel`'s over a q8_0 / q4_0 / f16 cache's rows), the output
 projection, the residual add) and the FFN half (RMSNorm, the fused gate/up product, SiLU times up, the down
 product, the residual add), their products on `int8_kernels`.
 
@@ -16,20 +17,22 @@ runs this module's `silu_mul`), in the same order, so a row gets the same bits e
 from __future__ import annotations
 
 import numpy as np
-from numba import literal_unroll, njit
+from numba import literal_unroll, njit, types
+from numba.extending import overload
 
+from lmserve.engine_cpu import block_attention_kernel, row_attention_kernel
 from lmserve.engine_cpu.int8_kernels import _times
 from lmserve.engine_cpu.norm_kernel import rms_norm
-from lmserve.engine_cpu.row_attention_kernel import attend_rows
 from lmserve.engine_cpu.softmax_kernel import _FAST, _exp
 
 
 @njit(cache=True, nogil=True)
 def attention_half(h, norm, eps, qkv, o, heads, q_norm, k_norm, cos, sin, keys, values, start, scale, window,  # noqa: ANN001, ANN201, PLR0913
-                   sinks):
+                   sinks, kind, factors):
     """`h` `[n, hidden]` += the attention of its rows at positions `start..start+n-1` (one cache's
-    `keys` and `values`, the rows' written there): `heads` is (query heads, KV heads, head size);
-    `q_norm` and `k_norm` each head's RMSNorm weights (Qwen3), empty where the model has none."""
+    `keys` and `values`, the rows' written there: float32, or bytes of `block_attention_kernel`'s
+    `kind` with q4_0's `factors`): `heads` is (query heads, KV heads, head size); `q_norm` and
+    `k_norm` each head's RMSNorm weights (Qwen3), empty where the model has none."""
     n = h.shape[0]
     query_heads, kv_heads, head_dim = heads
     x = np.empty_like(h)
@@ -39,9 +42,28 @@ def attention_half(h, norm, eps, qkv, o, heads, q_norm, k_norm, cos, sin, keys, 
         _head_norm(projected[:, :query_heads], q_norm, eps)
         _head_norm(projected[:, query_heads:query_heads + kv_heads], k_norm, eps)
     mixed = np.empty((n, query_heads, head_dim), np.float32)
-    attend_rows(projected[:, :query_heads + kv_heads], projected[:, query_heads + kv_heads:], cos, sin, keys, values,
-                start, scale, window, sinks, mixed)
+    _attend(projected[:, :query_heads + kv_heads], projected[:, query_heads + kv_heads:], cos, sin, keys, values,
+            start, scale, window, sinks, kind, factors, mixed)
     h += _stacked_times(mixed.reshape(n, query_heads * head_dim), o)
+
+
+def _attend(qk, v, cos, sin, keys, values, start, scale, window, sinks, kind, factors, out):  # noqa: ANN001, ANN202
+    """The cache's `attend_rows`: `row_attention_kernel`'s for float32 `keys`, else
+    `block_attention_kernel`'s (chosen when Numba types the call: `_attend_for`)."""
+    raise NotImplementedError("compiled code only")
+
+
+@overload(_attend)
+def _attend_for(qk, v, cos, sin, keys, values, start, scale, window, sinks, kind, factors, out):  # noqa: ANN001, ANN202
+    if keys.dtype == types.float32:
+        def attend(qk, v, cos, sin, keys, values, start, scale, window, sinks, kind, factors, out):  # noqa: ANN001, ANN202, ARG001
+            row_attention_kernel.attend_rows(qk, v, cos, sin, keys, values, start, scale, window, sinks, out)
+        return attend
+
+    def attend_blocks(qk, v, cos, sin, keys, values, start, scale, window, sinks, kind, factors, out):  # noqa: ANN001, ANN202
+        block_attention_kernel.attend_rows(qk, v, cos, sin, keys, values, start, scale, window, sinks, kind, factors,
+                                           out)
+    return attend_blocks
 
 
 @njit(cache=True, nogil=True)

@@ -104,7 +104,7 @@ class CPUEngine(Engine[CPUCache]):
 
             self._threads = ThreadTuner(most, apply, KERNEL_ROWS, TUNED_ROWS, trials=tune_threads)
             self._halves = [decode_layer.compiled_halves(layer, config) for layer in self.weights.layers]
-            decode_layer.prepare(self._halves)
+            decode_layer.prepare(self._halves, self.kv_type)
         ops.prepare(self.kv_type, any(layer.experts is not None for layer in self.weights.layers))
         self.device = f"numpy, {kind} ({len(os.sched_getaffinity(0))} cpus)"
 

@@ -1,5 +1,6 @@
 """The NumPy engine's cached keys and values in a `--kv-type`: float32, float16, or blocks in
-llama.cpp's q8_0 / q4_0 layout (q8_0's bytes are `gguf`'s quantizer's: `q8_0_kernel`).
+llama.cpp's q8_0 / q4_0 layout (q8_0's bytes are `gguf`'s quantizer's; `kv_encode_kernel` writes
+them, and q4_0's, compiled).
 
 Every type is one array per layer, `[kv_head, position, row]`, where a row is one position's
 head: `head_dim` floats, or `head_dim / 32` blocks of bytes. So the cache grows, copies a prefix,
@@ -21,10 +22,10 @@ from gguf.quants import quantize
 
 from lmserve.engine.kv_types import KVType
 
-try:  # gguf's q8_0 bytes, compiled (where Numba is installed: not on macOS, where MLX serves)
-    from lmserve.engine_cpu.q8_0_kernel import q8_0_blocks
+try:  # the blocks, compiled (where Numba is installed: not on macOS, where MLX serves)
+    from lmserve.engine_cpu.kv_encode_kernel import q4_0_blocks, q8_0_blocks
 except ImportError:
-    q8_0_blocks = None
+    q4_0_blocks = q8_0_blocks = None
 
 BLOCK = 32  # values per quantized block, and the Hadamard transform's size
 
@@ -38,7 +39,7 @@ def _hadamard(n: int) -> np.ndarray:
 
 
 _TURN = _hadamard(BLOCK)
-_Q4_FACTORS = np.linspace(0.7, 1.15, 19, dtype=np.float32)  # scales tried, as fractions of max / -8
+Q4_FACTORS = np.linspace(0.7, 1.15, 19, dtype=np.float32)  # q4_0 scales tried, as fractions of max / -8
 
 
 class KVCodec:
@@ -66,15 +67,18 @@ class KVCodec:
 
     def encode(self, x: np.ndarray) -> np.ndarray:
         """float32 keys or values `[..., head_dim]` as stored rows."""
+        if not self.turned:
+            return x.astype(self.dtype, copy=False)
+        turned = self.turn(x)
+        if q8_0_blocks is None:
+            return quantize(turned, GGMLQuantizationType.Q8_0) if self.type.name == "q8_0" else _q4_0(turned)
+        out = np.empty((*x.shape[:-1], self.row(x.shape[-1])), np.uint8)
+        blocks = turned.reshape(-1, BLOCK), out.reshape(-1, self.type.block_bytes)
         if self.type.name == "q8_0":
-            if q8_0_blocks is None:
-                return quantize(self.turn(x), GGMLQuantizationType.Q8_0)
-            out = np.empty((*x.shape[:-1], self.row(x.shape[-1])), np.uint8)
-            q8_0_blocks(self.turn(x).reshape(-1, BLOCK), out.reshape(-1, self.type.block_bytes))
-            return out
-        if self.type.name == "q4_0":
-            return _q4_0(self.turn(x))
-        return x.astype(self.dtype, copy=False)
+            q8_0_blocks(*blocks)
+        else:
+            q4_0_blocks(*blocks, Q4_FACTORS)
+        return out
 
     def decode(self, stored: np.ndarray) -> np.ndarray:
         """Stored rows `[heads, positions, row]` as float32 `[heads, positions, head_dim]`, in the
@@ -102,11 +106,11 @@ class KVCodec:
 
 def _q4_0(x: np.ndarray) -> np.ndarray:
     """llama.cpp's q4_0 blocks of `x` `[..., head_dim]` (a float16 scale d, then 32 values q in
-    nibbles, value = d * (q - 8)), each block's d the one of `_Q4_FACTORS` x max / -8 with the
+    nibbles, value = d * (q - 8)), each block's d the one of `Q4_FACTORS` x max / -8 with the
     least squared error."""
     blocks = x.reshape(-1, BLOCK)
     peak = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[:, None], -1)
-    scales = (peak / -8 * _Q4_FACTORS).astype(np.float16).astype(np.float32)  # [blocks, tries]
+    scales = (peak / -8 * Q4_FACTORS).astype(np.float16).astype(np.float32)  # [blocks, tries]
     inverse = np.divide(1, scales, out=np.zeros_like(scales), where=scales != 0)
     q = np.clip(np.trunc(blocks[:, None, :] * inverse[..., None] + np.float32(8.5)), 0, 15)
     error = np.square((q - 8) * scales[..., None] - blocks[:, None, :]).sum(-1)

@@ -12,6 +12,7 @@ from types import ModuleType
 
 import numpy as np
 
+from lmserve.engine_cpu.kv_codec import Q4_FACTORS
 from lmserve.engine_cpu.qmatrix import Matrix
 from lmserve.model.families import GELU_TANH, SILU, SWIGLU_OAI
 
@@ -142,12 +143,16 @@ def prepare(kv_type: str, experts: bool) -> None:
     for qk, v in ((cube, cube), (strided, strided), (strided, cube)):  # (strided, C): Gemma 4's normed values
         calls += [(rows.attend_rows, (qk, v, cube, cube, cube, cube, 0, np.float32(0), 0, NO_SINKS, cube)),
                   (rows.rope_rows, (qk, v, cube, cube, cube, cube, 0, np.empty((1, 1, 1, 1), np.float32), True))]
-    blocks = compiled("block_attention_kernel")
+    blocks, stored = compiled("block_attention_kernel"), np.empty((1, 1, 1), np.uint8)
     if kv_type in blocks.KINDS:
-        for stored in (np.empty((1, 1, 1), np.uint8), np.empty((2, 2, 1), np.uint8)[:, :1]):  # all positions, or some
-            calls += [(blocks.block_scores, (cube, stored, cube, 0)), (blocks.block_mix, (cube, stored, cube, 0))]
-    if kv_type == "q8_0":
-        calls.append((compiled("q8_0_kernel").q8_0_blocks, (matrix, np.empty((1, 1), np.uint8))))
+        for qk, v in ((cube, cube), (strided, strided), (strided, cube)):
+            calls.append((blocks.attend_rows, (qk, v, cube, cube, stored, stored, 0, np.float32(0), 0, NO_SINKS, 0,
+                                               Q4_FACTORS, cube)))
+    if kv_type in ("q8_0", "q4_0"):  # a prompt's rows, written by `KVCodec.encode`
+        encode = compiled("kv_encode_kernel")
+        writer = ((encode.q8_0_blocks, (matrix, stored[0])) if kv_type == "q8_0"
+                  else (encode.q4_0_blocks, (matrix, stored[0], Q4_FACTORS)))
+        calls.append(writer)
     if experts:
         moe = compiled("moe_kernel")
         ids = np.empty(1, np.int64)
@@ -260,48 +265,33 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, scale: float,
-              window: int = 0, sinks: np.ndarray | None = None, scratch: Scratch | None = None,
-              blocks: str | None = None) -> np.ndarray:
+              window: int = 0, sinks: np.ndarray | None = None, scratch: Scratch | None = None) -> np.ndarray:
     """Causal attention of `n` new queries at positions `start..start+n-1`.
 
     q: `[n, heads, head_dim]`; keys, values: `[kv_heads, start + n, head_dim]`, with the new
     positions already written. Query head h reads KV head h // (heads // kv_heads). Scores are
     scaled by `scale`. `window`: a query at position p sees keys in (p - window, p] only (sliding
     window; 0: all). `sinks` `[heads]`: one logit per head that joins the softmax's denominator
-    and nothing else (gpt-oss). `scratch`: the pass's buffer for the scores. `blocks`: "q8_0",
-    "q4_0" or "f16" where keys and values are a cache's rows as it stores them, which the compiled
-    kernels read (only where `reads_blocks` says so). Returns `[n, heads * head_dim]`.
+    and nothing else (gpt-oss). `scratch`: the pass's buffer for the scores. Returns `[n, heads *
+    head_dim]`.
     """
     n, n_heads, head_dim = q.shape
     kv_heads = keys.shape[0]
     group = n_heads // kv_heads
     qg = q.reshape(n, kv_heads, group, head_dim).transpose(1, 0, 2, 3).reshape(kv_heads, n * group, head_dim)
-    out = grouped_attention(qg, n, keys, values, start, scale, window, sinks, scratch, blocks)
+    out = grouped_attention(qg, n, keys, values, start, scale, window, sinks, scratch)
     return out.reshape(kv_heads, n, group, head_dim).transpose(1, 0, 2, 3).reshape(n, n_heads * head_dim)
 
 
 def grouped_attention(qg: np.ndarray, n: int, keys: np.ndarray, values: np.ndarray, start: int, scale: float,
-                      window: int = 0, sinks: np.ndarray | None = None, scratch: Scratch | None = None,
-                      blocks: str | None = None) -> np.ndarray:
+                      window: int = 0, sinks: np.ndarray | None = None, scratch: Scratch | None = None) -> np.ndarray:
     """`attention` of queries laid out a KV head's rows together, a position's group in a run
     (row `i * group + g` of `qg` `[kv_heads, n * group, head_dim]`: query head `h * group + g` at
     position `start + i`), so a run of positions is a run of rows; the result in that layout."""
-    kv_heads, rows, _ = qg.shape
     first = max(0, start - window + 1) if window else 0  # no query here sees a key before it
     if first:
         keys, values = keys[:, first:], values[:, first:]
-    if blocks is None:
-        return _attention_products(qg, keys, values, n, start, first, scale, window, sinks, scratch)
-    kernels = compiled("block_attention_kernel")
-    kind, keys, values = kernels.KINDS[blocks], keys.view(np.uint8), values.view(np.uint8)
-    qg = np.ascontiguousarray(qg)
-    shape = (kv_heads, rows, keys.shape[1])
-    scores = np.empty(shape, np.float32) if scratch is None else scratch.take(shape)
-    kernels.block_scores(qg, keys, scores, kind)
-    _softmax(scores, n, start, first, scale, window, sinks)
-    out = np.empty_like(qg)
-    kernels.block_mix(scores, values, out, kind)
-    return out
+    return _attention_products(qg, keys, values, n, start, first, scale, window, sinks, scratch)
 
 
 def _attention_products(qg: np.ndarray, keys: np.ndarray, values: np.ndarray, n: int, start: int, first: int,
@@ -340,29 +330,50 @@ def _visible_runs(n: int, start: int, first: int, window: int, seen: int) -> lis
 
 
 def reads_blocks(query_rows: int) -> bool:
-    """Whether `attention` reads a q8_0, q4_0 or f16 cache's rows itself for a pass of
-    `query_rows` rows a KV head: where Numba is installed, and for a decode step's or verify
-    pass's few rows, whose one use of each position's keys and values costs less than unpacking
-    them into float32 for BLAS (`block_attention_kernel`; a prompt pass's hundreds of rows run
-    faster in BLAS)."""
+    """Whether a pass of `query_rows` rows a KV head reads a q8_0, q4_0 or f16 cache's rows
+    themselves (`block_attention_kernel.attend_rows`): where Numba is installed, and for a decode
+    step's or verify pass's few rows, whose one use of each position's keys and values costs less
+    than unpacking them into float32 for BLAS (a prompt pass's hundreds of rows run faster in
+    BLAS)."""
     return query_rows <= FEW_QUERY_ROWS and compiled("block_attention_kernel") is not None
 
 
-def attends_in_one_call(query_rows: int, positions: int) -> bool:
-    """Whether `attend_rows` takes a pass of `query_rows` rows a KV head over a float32 cache
-    that it reads `positions` of: a decode step's or verify pass's few rows, where Numba is."""
+def attends_in_one_call(query_rows: int, positions: int, blocks: str | None = None) -> bool:
+    """Whether `attend_rows` takes a pass of `query_rows` rows a KV head over a cache that it reads
+    `positions` of: a decode step's or verify pass's few rows, where Numba is; a float32 cache's
+    up to ONE_CALL_POSITIONS, a `blocks` cache's ("q8_0", "q4_0", "f16": its readers are
+    `reads_blocks`' at any length) always."""
+    if blocks is not None:
+        return reads_blocks(query_rows)
     return (query_rows <= FEW_QUERY_ROWS and positions <= ONE_CALL_POSITIONS
             and compiled("row_attention_kernel") is not None)
 
 
 def attend_rows(qk: np.ndarray, v: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
                 values: np.ndarray, start: int, scale: float, window: int, sinks: np.ndarray | None,
-                out: np.ndarray) -> None:
-    """`row_attention_kernel.attend_rows` (where `attends_in_one_call`): one cache's new rows
-    rotated, written and attended, into `out` `[n, heads, head_dim]`."""
-    kernel = compiled("row_attention_kernel").attend_rows
-    kernel(qk, v, cos, sin, keys, values, start, np.float32(scale), window,
-           NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32), out)
+                out: np.ndarray, blocks: str | None = None) -> None:
+    """`row_attention_kernel.attend_rows`, or for a `blocks` cache `block_attention_kernel`'s
+    (where `attends_in_one_call`): one cache's new rows rotated, written and attended, into `out`
+    `[n, heads, head_dim]`."""
+    sinks = NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32)
+    if blocks is None:
+        compiled("row_attention_kernel").attend_rows(qk, v, cos, sin, keys, values, start, np.float32(scale), window,
+                                                     sinks, out)
+        return
+    compiled("block_attention_kernel").attend_rows(qk, v, cos, sin, *stored_rows(keys, values, blocks), start,
+                                                   np.float32(scale), window, sinks, *block_kind(blocks), out)
+
+
+def stored_rows(keys: np.ndarray, values: np.ndarray, blocks: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """A layer's cached keys and values as the one-call kernels take them: a float32 cache's as
+    they are, a `blocks` cache's as bytes."""
+    return (keys, values) if blocks is None else (keys.view(np.uint8), values.view(np.uint8))
+
+
+def block_kind(blocks: str | None) -> tuple[int, np.ndarray]:
+    """`block_attention_kernel.attend_rows`' `kind` of a `blocks` cache (-1 for float32) and
+    q4_0's scales to try."""
+    return (-1 if blocks is None else compiled("block_attention_kernel").KINDS[blocks]), Q4_FACTORS
 
 
 NO_SINKS = np.empty(0, np.float32)
