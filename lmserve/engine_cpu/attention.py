@@ -61,7 +61,7 @@ def attend(x: np.ndarray, a: AttentionWeights, batch: Batch, layer: int,
 
 
 def stored_blocks(batch: Batch) -> str | None:
-    """The `--kv-type` of the pass's caches where they store rows that `ops.attention` reads as
+    """The `--kv-type` of the pass's caches where `ops.attend_rows` reads their stored rows as
     `blocks` (q8_0, q4_0, f16), None for float32 ones (a pass's caches are all the engine's type)."""
     codec = batch.spans[0].cache.codec
     return None if codec.dtype == np.float32 else codec.type.name

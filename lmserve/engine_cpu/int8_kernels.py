@@ -347,7 +347,7 @@ def _dots(rows: int, outs: int, unpacked: bool):  # noqa: ANN202  (a Numba intri
                         xs = [step.activations(row, first) for row in xrows]
                         for j, (srow, _, _) in enumerate(sources):
                             if decoded is None:
-                                scales = _Step.lane_scales(step, srow, block)
+                                scales = step.lane_scales(srow, block)
                             else:  # as `_unpack` stored them past the weights
                                 scales = [k.load_vector(decoded[j], b.add(b.add(values, first), ir.Constant(I64, m * step.bytes)),
                                                         lanes_i) for m in range(len(step.product_maps))]
@@ -386,7 +386,7 @@ def _unpack(outs: int):  # noqa: ANN202  (a Numba intrinsic)
     `_Step.weights` decodes them, a byte a value, into the rows of `unpacked` (2 bytes a value),
     and for a superblock form each step's `_Step.lane_scales` after them: a tile then decodes its
     matrix rows once, not once for each x rows it takes (prompt-sized products of the packed
-    forms ran 3-23% faster; figures: docs/PERFORMANCE.md). int8 values are read as they are."""
+    forms ran 3-26% faster; figures: docs/PERFORMANCE.md). int8 values are read as they are."""
     @intrinsic
     def unpack(typingctx, q, scale, unpacked, o0):  # noqa: ANN001, ANN202, ARG001
         def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
