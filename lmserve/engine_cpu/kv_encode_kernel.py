@@ -86,14 +86,14 @@ def q8_0_block(row, block):  # noqa: ANN001, ANN201
 def q4_0_block(row, block, factors):  # noqa: ANN001, ANN201
     """32 float32 values `row` as one q4_0 block into `block` (18 bytes: float16 d, then value j's
     nibble q low in byte j and value j + 16's high, value = d * (q - 8)), d the one of `factors`
-    (`kv_codec.Q4_FACTORS`) x the largest magnitude's signed value / -8 with the least squared error: `kv_codec._q4_0`'s
-    float32 arithmetic in its order (the error summed as NumPy sums 32 values: eight running sums,
-    added pairwise), so its bytes."""
+    (`kv_codec.Q4_FACTORS`) x the largest magnitude's signed value / -8 with the least squared
+    error: `kv_codec._q4_0`'s float32 arithmetic in its order (the error summed as NumPy sums 32
+    values: eight running sums, added pairwise; the first of equal errors), so its bytes."""
     peak = row[0]
     for x in row:
         if abs(x) > abs(peak):
             peak = x
-    best, best_error, best_scale = 0, np.float32(np.inf), np.float32(0)
+    best_error, best_scale = np.float32(np.inf), np.float32(0)
     sums = np.empty(8, np.float32)
     for t in range(len(factors)):
         scale = half_value(half_bits(peak / np.float32(-8) * factors[t]))
@@ -105,14 +105,13 @@ def q4_0_block(row, block, factors):  # noqa: ANN001, ANN201
             sums[j % 8] += e * e
         error = ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]))
         if error < best_error or t == 0:
-            best, best_error, best_scale = t, error, scale
+            best_error, best_scale = error, scale
     _put_scale(best_scale, block)
     inverse = np.float32(1) / best_scale if best_scale != 0 else np.float32(0)
     for j in range(BLOCK // 2):
         low = min(max(np.trunc(row[j] * inverse + np.float32(8.5)), np.float32(0)), np.float32(15))
         high = min(max(np.trunc(row[j + 16] * inverse + np.float32(8.5)), np.float32(0)), np.float32(15))
         block[2 + j] = np.uint8(low) | (np.uint8(high) << np.uint8(4))
-    return best
 
 
 @njit(cache=True, nogil=True)
