@@ -110,3 +110,12 @@ def cpu_dots(request: pytest.FixtureRequest) -> str:
     if request.param == "int8":
         request.getfixturevalue("int8_dots")
     return request.param
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under `-n` (pytest-xdist, --dist loadgroup) a module's tests stay on one worker, so its
+    module fixtures (servers, loaded engines) start once; tests that share the long-context server
+    across modules name one group of their own."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

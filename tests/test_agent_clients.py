@@ -37,6 +37,8 @@ from tests.engine_proxies import Rule, Script
 from tests.hooked_server import Hooks
 from tests.server_util import Server, start_server
 
+pytestmark = pytest.mark.xdist_group("smollm2_long_context")
+
 CLAUDE_ANSWER = "The note names the next marker, as asked."
 CODEX_SECRET = "HERON-2290"
 CODEX_ANSWER = f"The codeword in notes.txt is {CODEX_SECRET}."

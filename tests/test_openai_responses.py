@@ -187,6 +187,7 @@ def test_errors_name_the_field(smollm2_server, body, status, param):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.xdist_group("smollm2_long_context")
 def test_codex_capture_replays(smollm2_server, smollm2_long_context):
     """The Codex CLI request as captured: path, headers, body, streaming. With its tools offered
     (rendered into the prompt) it is ~9k tokens: the default 8192-token server refuses it with a
