@@ -414,10 +414,26 @@ def _scores(qg: np.ndarray, keys: np.ndarray, scratch: Scratch | None = None) ->
     as the keys times the queries (the positions as BLAS's long side), which runs 2-3x faster
     there with the same bits (figures: docs/PERFORMANCE.md, measurements behind code choices)."""
     (kv_heads, rows, _), (_, seen, head_dim) = qg.shape, keys.shape
-    if rows <= FEW_QUERY_ROWS and rows * seen * head_dim > SMALL_PRODUCT:
+    if rows <= FEW_QUERY_ROWS and rows * seen * head_dim > SMALL_PRODUCT and _transposed_scores_agree():
         return np.ascontiguousarray(np.matmul(keys, qg.transpose(0, 2, 1)).transpose(0, 2, 1))
     out = None if scratch is None else scratch.take((kv_heads, rows, seen))
     return np.matmul(qg, keys.transpose(0, 2, 1), out=out)
+
+
+@functools.cache
+def _transposed_scores_agree() -> bool:
+    """Whether this machine's BLAS gives keys times queries the bits of queries times keys, for
+    decode-shaped scores past SMALL_PRODUCT. It does with OpenBLAS's AVX-512 kernels; with its
+    AVX2 ones (an AMD EPYC, Zen 3) it does not, and a decode step's scores would then differ from
+    a prompt pass's over the same positions. Checked once, on the shapes decode steps take."""
+    rng = np.random.default_rng(0)
+    for kv_heads, rows, head_dim, seen in ((3, 3, 64, 700), (4, 16, 64, 5000), (8, 4, 128, 700), (1, 8, 256, 50)):
+        qg = rng.standard_normal((kv_heads, rows, head_dim)).astype(np.float32)
+        keys = rng.standard_normal((kv_heads, seen + 30, head_dim)).astype(np.float32)[:, :seen]
+        transposed = np.matmul(keys, qg.transpose(0, 2, 1)).transpose(0, 2, 1)
+        if not np.array_equal(transposed, np.matmul(qg, keys.transpose(0, 2, 1))):
+            return False
+    return True
 
 
 def _softmax(scores: np.ndarray, n: int, start: int, first: int, scale: float, window: int,
