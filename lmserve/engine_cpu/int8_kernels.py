@@ -60,6 +60,9 @@ COLUMN_ROWS = 16
 _FEATURES = ("avx512vnni", "avx512bw", "avx512vl")
 
 
+llvm.initialize_native_asmparser()  # Numba's JIT then reads `_Step.scaled_dot`'s inline assembly
+
+
 @functools.cache
 def available() -> bool:
     """Whether this CPU has the instructions (LLVM compiles for the host, as Numba does)."""
@@ -134,8 +137,7 @@ class _Step:
         self.dot = cgutils.get_or_insert_function(
             self.b.module, ir.FunctionType(lanes_vector, [lanes_vector, bytes_vector, bytes_vector]),
             f"llvm.x86.avx512.vpdpbusd.{self.bytes * 8}")
-        self.scaled_dot = cgutils.get_or_insert_function(
-            self.b.module, ir.FunctionType(lanes_vector, [lanes_vector] * 3), f"llvm.x86.avx512.vpdpwssd.{self.bytes * 8}")
+        self._scaled_dot_type = ir.FunctionType(lanes_vector, [lanes_vector] * 3)
         self.shuffle = cgutils.get_or_insert_function(
             self.b.module, ir.FunctionType(bytes_vector, [bytes_vector] * 2),
             "llvm.x86.avx512.pshuf.b.512" if width == WIDE else "llvm.x86.ssse3.pshuf.b.128")
@@ -146,6 +148,13 @@ class _Step:
         else:
             self.maps = [[(part * self.bytes + 4 * lane) // size for lane in range(self.lanes)] for part in (0, 1)]
         self.product_maps = self.maps[:1] if self.maps[0] == self.maps[1] else self.maps  # `products`' vectors'
+
+    def scaled_dot(self, total: ir.Value, products: ir.Value, scales: ir.Value) -> ir.Value:
+        """`total` + each lane's two int16 halves of `products` times those of `scales` (`vpdpwssd`),
+        as one instruction: LLVM's intrinsic becomes `vpmaddwd` and `vpaddd` where the total is not
+        zero (a shorter latency, but one more instruction where the loops are bound by them)."""
+        return self.b.asm(self._scaled_dot_type, "vpdpwssd $3, $2, $0", "=v,0,v,v", [total, products, scales],
+                          side_effect=False)
 
     def weights(self, qrow: ir.Value, first: ir.Value) -> list[ir.Value]:
         """The row's two byte vectors from value `first` on: two int8 halves, or the nibbles' low
@@ -354,7 +363,7 @@ def _dots(rows: int, outs: int, unpacked: bool):  # noqa: ANN202  (a Numba intri
                             weights = weights_of(step, j, first)
                             for r in range(rows):
                                 for (product, _), lane_scales in zip(step.products(weights, None, xs[r]), scales, strict=True):
-                                    integer[j][r] = b.call(step.scaled_dot, [integer[j][r], product, lane_scales])
+                                    integer[j][r] = step.scaled_dot(integer[j][r], product, lane_scales)
                     dxs = [b.load(k.at(row, loop.index)) for row in dxrows]
                     sums = [k.load_vector(row, first_block, blocks) for row in sumrows]
                     factors = b.shl(loop.index, ir.Constant(I64, 1))

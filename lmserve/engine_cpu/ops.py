@@ -412,7 +412,8 @@ def _scores(qg: np.ndarray, keys: np.ndarray, scratch: Scratch | None = None) ->
     """`qg [kv_heads, rows, head_dim]` times the keys transposed: `[kv_heads, rows, seen]`, in
     `scratch` where given. For a decode step's few query rows past OpenBLAS's small-matrix path,
     as the keys times the queries (the positions as BLAS's long side), which runs 2-3x faster
-    there with the same bits (figures: docs/PERFORMANCE.md, measurements behind code choices)."""
+    there, where this machine's BLAS gives that form the same bits (`_transposed_scores_agree`;
+    figures: docs/PERFORMANCE.md, measurements behind code choices)."""
     (kv_heads, rows, _), (_, seen, head_dim) = qg.shape, keys.shape
     if rows <= FEW_QUERY_ROWS and rows * seen * head_dim > SMALL_PRODUCT and _transposed_scores_agree():
         return np.ascontiguousarray(np.matmul(keys, qg.transpose(0, 2, 1)).transpose(0, 2, 1))
