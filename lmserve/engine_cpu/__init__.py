@@ -10,6 +10,7 @@ import os
 # one faster (docs/PERFORMANCE.md). A value the user set is kept.
 os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
+import lmserve.engine_cpu.numba_linking  # noqa: E402, F401  (before anything compiles)
 from lmserve.engine.protocol import CacheFullError  # noqa: E402  (after the setting above)
 from lmserve.engine_cpu.cache import CPUCache  # noqa: E402
 from lmserve.engine_cpu.engine import CPUEngine  # noqa: E402
