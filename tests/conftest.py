@@ -96,12 +96,15 @@ def planner(qwen3):
 
 @pytest.fixture
 def int8_dots(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The NumPy engine's products with int8 activations, where this CPU has them."""
-    from lmserve.engine_cpu import int8_kernels
+    """The NumPy engine's products with int8 activations, where this CPU has them, on the VNNI
+    kernels (whose rows have their one-row bits at any count): the AMX tiles' tests turn those on
+    themselves (tests/test_amx_kernels.py)."""
+    from lmserve.engine_cpu import amx_kernels, int8_kernels
 
     if not int8_kernels.available():
         pytest.skip("int8 activations need AVX-512 VNNI")
     monkeypatch.setattr(int8_kernels, "ENABLED", True)
+    monkeypatch.setenv(amx_kernels.ENV, "off")
 
 
 @pytest.fixture(params=["float32", "int8"])

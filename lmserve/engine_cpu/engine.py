@@ -38,7 +38,7 @@ from lmserve.engine_cpu.cache import CPUCache, Layout
 from lmserve.engine_cpu.ffn import feed_forward
 from lmserve.engine_cpu.qmatrix import KERNEL_ROWS
 from lmserve.engine_cpu.threads import ThreadTuner, blas_threads
-from lmserve.engine_cpu.weights import DeltaNetWeights, kept_forms, load_weights, stacked_forms
+from lmserve.engine_cpu.weights import DeltaNetWeights, kept_blocks, kept_forms, load_weights, stacked_forms
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile
 
@@ -88,11 +88,13 @@ class CPUEngine(Engine[CPUCache]):
         self._scratch = ops.Scratch()  # the passes' attention scores, one pass after another
         kind = "float32"
         if quantized:
-            from lmserve.engine_cpu import int8_kernels, kernels
+            from lmserve.engine_cpu import amx_kernels, int8_kernels, kernels
 
             int8_kernels.choose(dots)
             kind = f"kernels on the file's quants, {'int8' if int8_kernels.ENABLED else 'float32'} activations"
-            self.prepared = kernels.prepare(kept_forms(self.weights), stacked_forms(self.weights))
+            if int8_kernels.ENABLED and amx_kernels.enabled():
+                kind += " (prompt chunks of K-quants on AMX tiles)"
+            self.prepared = kernels.prepare(kept_forms(self.weights), stacked_forms(self.weights), kept_blocks(self.weights))
             blas, most = blas_threads(), kernels.most_threads()
 
             def apply(count: int, wide: bool) -> None:

@@ -91,8 +91,9 @@ def takes(values: np.dtype) -> bool:
 
 UNSIGNED = (NIBBLES, SIXBITS, CRUMBS, THREEBITS)  # the forms whose values are the unsigned side of `vpdpbusd`
 # How `_quantize` stores x for a matrix's values (`x_layout`): in their order, as xq + 128 (the
-# unsigned side, against signed weights), or as xq in the nibbles' lane order.
-NATURAL, NIBBLE_SIGNED, NIBBLE_OFFSET = 0, 1, 2
+# unsigned side, against signed weights), or as xq in the nibbles' lane order; NATURAL_SIGNED, xq
+# in the values' order, is the AMX tiles' (`amx_kernels`).
+NATURAL, NIBBLE_SIGNED, NIBBLE_OFFSET, NATURAL_SIGNED = 0, 1, 2, 3
 
 
 def x_layout(values: np.dtype) -> int:
@@ -508,7 +509,8 @@ def _quantize(x, size, group, layout):  # noqa: ANN001, ANN202
     not finite): `group` is the weights' block `size`, or a superblock (`by_superblock`); and
     `dx * sum(xq)` of each block of `size`. Signed weights' x (int8, the tables' levels) is
     stored as xq + 128 (the unsigned side); packed weights' (every form but int8, `x_layout`) in
-    each whole WIDE group as the nibbles' low halves' values, then the high halves'.
+    each whole WIDE group as the nibbles' low halves' values, then the high halves'; the AMX
+    tiles' (NATURAL_SIGNED) as xq in the values' order.
     Rows on the kernels' threads where there are many (a prompt chunk's)."""
     n, columns = x.shape
     xq = np.empty((n, columns), np.int8)
@@ -546,11 +548,12 @@ def _quantize_row(x, xq, dx, xsum, r, size, group, layout):  # noqa: ANN001, ANN
             quantized = 0
             for first in range(block * size, (block + 1) * size, RUN):
                 at = first
-                if layout != NATURAL and first < wide:  # value c*32 + h*16 + t of a group -> h*64 + c*16 + t
+                if layout in (NIBBLE_SIGNED, NIBBLE_OFFSET) and first < wide:
+                    # value c*32 + h*16 + t of a group -> h*64 + c*16 + t
                     within = first % WIDE
                     at += within % 32 // 16 * 64 + within // 32 * 16 - within
                 source, target = row[first:first + RUN], xq[r, at:at + RUN]
-                if layout == NIBBLE_SIGNED:
+                if layout in (NIBBLE_SIGNED, NATURAL_SIGNED):
                     for t in range(RUN):
                         v = np.int32(np.rint(source[t] * inverse))
                         quantized += v

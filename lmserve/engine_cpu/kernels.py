@@ -33,7 +33,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.ufunc.parallel import _launch_threads  # loads the threading layer
 
-from lmserve.engine_cpu import int8_kernels
+from lmserve.engine_cpu import amx_kernels, int8_kernels
 from lmserve.engine_cpu.expert_split import PARTS, even_work
 from lmserve.engine_cpu.kernel_ir import F32, I64, LANES, OUTS, VF, Builder
 
@@ -168,6 +168,8 @@ def _dequantize(q, scale, offset, supers, out):  # noqa: ANN001, ANN202
 
 def times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray) -> np.ndarray:
     """`x [n, in]` (float32) times the matrix `[out, in]` transposed: `[n, out]`."""
+    if amx_kernels.takes(q, scale, len(x)):
+        return amx_kernels.times(x, q, scale, offset, supers)
     if int8_kernels.takes(q.dtype):
         return int8_kernels.times(x, q, scale, offset, supers)
     n, columns = x.shape
@@ -182,6 +184,8 @@ def grouped_times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.nd
                   experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
     """Rows `firsts[g]:firsts[g + 1]` of `x [n, in]` times matrix `experts[g]` of the stack
     `[matrices, out, in]` transposed: `[n, out]`, each row's values the bits `times` gives it."""
+    if amx_kernels.takes(q, scale, int(np.max(np.diff(firsts), initial=0))):
+        return amx_kernels.grouped_times(x, q, scale, offset, supers, experts, firsts)
     if int8_kernels.takes(q.dtype):
         return int8_kernels.grouped_times(x, q, scale, offset, supers, experts, firsts)
     n, columns = x.shape
@@ -207,9 +211,11 @@ def dequantize(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.
     _dequantize(q, scale, offset, supers, out)
 
 
-def prepare(forms: Iterable[tuple[np.dtype, np.dtype]], stacked: Iterable[tuple[np.dtype, np.dtype]] = ()) -> str:
+def prepare(forms: Iterable[tuple[np.dtype, np.dtype]], stacked: Iterable[tuple[np.dtype, np.dtype]] = (),
+            blocks: Iterable[tuple[np.dtype, np.dtype, int]] = ()) -> str:
     """Compile the kernels for the (values dtype, scales dtype) pairs of the matrices the engine
-    passes, and the grouped one for expert stacks of `stacked` (or load them from Numba's cache,
+    passes, the grouped one for expert stacks of `stacked`, and the AMX tiles' product for the forms
+    (with block sizes) of `blocks` that run there (or load them from Numba's cache,
     `cache=True`, written beside this module) without running them: compiled lazily, the first
     request after an install waited for them. What happened, for the banner."""
     started = time.perf_counter()
@@ -226,6 +232,7 @@ def prepare(forms: Iterable[tuple[np.dtype, np.dtype]], stacked: Iterable[tuple[
         _grouped_times.compile((matrix, q, s, s, cube, matrix, matrix, ids, ids))
         if int8_kernels.takes(values):
             int8_kernels.prepare(q, s, ids)
+    amx_kernels.prepare(blocks)  # the forms with their block sizes: the tiles' recipes
     took = time.perf_counter() - started
     if sum(_times.stats.cache_hits.values()):
         return f"compiled kernels loaded from Numba's cache in {took:.1f} s"

@@ -607,6 +607,11 @@ def kept_forms(weights: ModelWeights) -> set[tuple[np.dtype, np.dtype]]:
     return {(matrix.q.dtype, matrix.scale.dtype) for matrix in _quant_matrices([weights])}
 
 
+def kept_blocks(weights: ModelWeights) -> set[tuple[np.dtype, np.dtype, int]]:
+    """`kept_forms` with each form's block size (values a scale), which tells Q5_K from Q6_K."""
+    return {(matrix.q.dtype, matrix.scale.dtype, matrix.block) for matrix in _quant_matrices([weights])}
+
+
 def stacked_forms(weights: ModelWeights) -> set[tuple[np.dtype, np.dtype]]:
     """The (values, scales) dtypes of the expert stacks (their grouped kernel is compiled apart)."""
     return {(stack.whole.q.dtype, stack.whole.scale.dtype) for layer in weights.layers if layer.experts is not None

@@ -1,0 +1,511 @@
+"""Prompt-sized int8 products on Intel AMX tiles, for Q4_K, Q5_K and Q6_K matrices.
+
+A prompt chunk's products with the K-quants were where the NumPy engine spent most of a MoE
+prompt; `vpdpbusd` (`int8_kernels`) does 64 byte products an instruction, one `tdpbusd` 16 x 16 x
+64. The arithmetic is `int8_kernels`': x is rounded to int8 a superblock of 256 values at a time
+(`_quantize`), the weights' integers times it are summed exactly, and the superblock's factor, dx
+and the offsets' term are applied in float32.
+
+The sub-block scales differ every 16 or 32 values, and a C tile's sum cannot be scaled between
+blocks. So each scale is split into digits that, times a value, still fit a byte (`Recipe`):
+Q4_K's nibbles times a scale's low 4 bits and its high 2, Q5_K's 5-bit values times 3 bits and
+3, Q6_K's centered values (-32..31) times three balanced base-7 digits of its signed scale. Each
+digit makes a plane of the matrix's rows (`_unpack_planes`); a superblock's four chunks of 64
+values then accumulate in one C per plane, and the planes' weighted sum is the scaled integer
+product (`_plane_product`). One pass over 64 values costs a `tdpbusd` a plane, where a store of C
+and a scaling of each of its rows every block cost more than the product itself (figures:
+docs/PERFORMANCE.md, NumPy engine: AMX tiles).
+
+A thread's step is 16 matrix rows (A, a tile a plane) by 16 or 32 x rows (B: x laid out once a
+call, 4 bytes of each row a tile row, `_pack`). A product takes the tiles where its call (an
+expert's group) has more than `int8_kernels.COLUMN_ROWS` rows: a decode step's and a verify
+pass's rows keep the VNNI kernels' one-row bits, and a prompt chunk's row gets the tiles' bits,
+whatever else the chunk holds. The two differ in float32's rounding only (a block's sum is one
+integer here, 16 lane sums there).
+
+Linux on a CPU with AMX-INT8 only: the kernel grants a process the tiles' state on request
+(`arch_prctl(ARCH_REQ_XCOMP_PERM)`), which `available` makes before anything runs here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba import get_num_threads, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+from numba.np.numpy_support import as_dtype
+
+from lmserve.engine_cpu import int8_kernels
+from lmserve.engine_cpu.expert_split import PARTS, even_work
+from lmserve.engine_cpu.int8_kernels import COLUMN_ROWS, NATURAL_SIGNED, WIDE, _quantize, by_superblock
+from lmserve.engine_cpu.kernel_ir import F32, I8, I32, I64, Builder
+from lmserve.engine_cpu.qmatrix import NIBBLES, SIXBITS, SUPERBLOCK, values_in
+
+ROWS = 16  # a tile's rows: matrix rows in A and C, x rows in B's columns
+LANES = 16  # int32 or float32 values a C row holds, one 512-bit vector
+CHUNK = 4 * LANES  # values an A tile's row holds: 64 bytes
+_FEATURES = ("amx-tile", "amx-int8")
+_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+ENV = "LMSERVE_CPU_TILES"  # `off`: the VNNI kernels for every product (a benchmark's baseline)
+PTR = I8.as_pointer()
+VF, VI = ir.VectorType(F32, LANES), ir.VectorType(I32, LANES)
+VI64, VMASK = ir.VectorType(I64, LANES), ir.VectorType(ir.IntType(1), LANES)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this CPU has AMX-INT8 and this process may use its tiles (asked for once, here)."""
+    if sys.platform != "linux" or not int8_kernels.available():
+        return False
+    features = llvm.get_host_cpu_features()
+    if not all(features.get(name, False) for name in _FEATURES):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+
+
+def _call(builder: ir.IRBuilder, name: str, argument_types: list[ir.Type], arguments: list[ir.Value]) -> None:
+    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), argument_types), name)
+    builder.call(function, arguments)
+
+
+def _address(context, builder, signature, args, i: int, offset: ir.Value) -> ir.Value:  # noqa: ANN001
+    """The byte `offset` bytes into argument i's array data."""
+    array = context.make_array(signature.args[i])(context, builder, args[i])
+    return builder.gep(builder.bitcast(array.data, PTR), [offset])
+
+
+@intrinsic
+def _configure(typingctx, config):  # noqa: ANN001, ANN202, ARG001
+    """`ldtilecfg` from the 64 bytes of `config` (`_config`): each thread, before its tiles."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        _call(builder, "llvm.x86.ldtilecfg", [PTR], [_address(context, builder, signature, args, 0, ir.Constant(I64, 0))])
+        return context.get_dummy_value()
+    return types.void(config), codegen
+
+
+@intrinsic
+def _release(typingctx):  # noqa: ANN001, ANN202, ARG001
+    """`tilerelease`: the thread's tile state back to its initial (unsaved) form."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202, ARG001
+        _call(builder, "llvm.x86.tilerelease", [], [])
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+def _transposed(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
+    """16 vectors of 16 lanes transposed: off-diagonal blocks of 8, 4, 2 and 1 lanes swapped."""
+    rows = list(rows)
+    distance = LANES // 2
+    while distance:
+        low = ir.Constant(ir.VectorType(I32, LANES), [j if j & distance == 0 else LANES + j - distance for j in range(LANES)])
+        high = ir.Constant(ir.VectorType(I32, LANES), [j + distance if j & distance == 0 else LANES + j for j in range(LANES)])
+        for i in range(LANES):
+            if i & distance == 0:
+                a, c = rows[i], rows[i + distance]
+                rows[i], rows[i + distance] = b.shuffle_vector(a, c, low), b.shuffle_vector(a, c, high)
+        distance //= 2
+    return rows
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a form's sub-block scales become planes of bytes (digits, `_fill_digits`) and how the
+    planes' products add up again: `sum(weights[p] * C_p)` is the block-scaled integer product, exact."""
+
+    weights: tuple[int, ...]  # each plane's weight: the scale is `sum(weights[p] * digit_p)`
+    x_tiles: int  # x tiles a product takes at once: C tiles are planes times x tiles (at most 4)
+    center: int  # subtracted from each value before the digit multiplies it (the centered Q6_K)
+    signed: bool  # planes of signed bytes (`tdpbssd`), else unsigned (`tdpbusd`)
+    offsets: bool  # whether the offsets' term (each block's offset times x's block sum) is added
+
+    @property
+    def planes(self) -> int:
+        return len(self.weights)
+
+
+# Q4_K: nibbles (0-15) times a 6-bit scale's low 4 bits (0-15) and high 2 (0-3) fit a byte;
+# Q5_K: 0-31 times 3 bits and 3; Q6_K: (0-63) - 32 times balanced base-7 digits of its int8
+# scale (-3..3) fit a signed byte, and centering takes the offsets' term away.
+NIBBLE_RECIPE = Recipe((1, 16), 2, 0, False, True)
+FIVE_BIT_RECIPE = Recipe((1, 8), 2, 0, False, True)
+SIX_BIT_RECIPE = Recipe((1, 7, 49), 1, 32, True, False)
+
+
+def _plane_product(recipe: Recipe):  # noqa: ANN202  (a Numba intrinsic)
+    """16 matrix rows, given as `recipe.planes` planes of bytes (rows p*16:(p+1)*16 of `unpacked`,
+    `_unpack_planes`), times x tiles `x_tile` on (`xb [tiles, chunks of 64, 16, 16]`) into `out`'s
+    rows `first` on (those before `stop`), columns `o0:o0 + 16` (those it has). A superblock's
+    blocks share C, so each C sums 256 values in four `tdpbusd` (or `tdpbssd`) of 64; the planes'
+    weighted sum is the block-scaled integer product, times each row's factor and dx (`dxt [tiles,
+    superblocks, 16]`), with the offsets' term where the recipe has one (`offsets [16, blocks]`
+    times `xst [tiles, blocks, 16]`), summed in `total [x tiles, 16, 16]` and transposed into x
+    rows at the end. Tiles: C of (x tile t, plane p) at t * planes + p; A of plane p after them; B
+    of x tile t after those. A superblock's C is stored (`products`, two buffers) and read back
+    once the next superblock's products are issued."""
+    planes, x_tiles = recipe.planes, recipe.x_tiles
+    c_tiles = planes * x_tiles
+    dot = "llvm.x86.tdpbssd" if recipe.signed else "llvm.x86.tdpbusd"
+
+    @intrinsic
+    def product(typingctx, unpacked, xb, x_tile, products, factors, offsets, dxt, xst, total, out, first, o0, stop):  # noqa: ANN001, ANN202, ARG001, E501
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            k, b = Builder(context, builder, signature, args), builder
+            tile = functools.partial(ir.Constant, I8)
+            fma = k.fma(VF)
+            stride = k.columns(0)
+            chunks = cgutils.unpack_tuple(b, k.arrays[1].shape, 4)[1]
+            superblocks = cgutils.unpack_tuple(b, k.arrays[6].shape, 3)[1]
+            blocks = cgutils.unpack_tuple(b, k.arrays[7].shape, 3)[1]
+            per = b.udiv(blocks, superblocks)
+            x_tile = args[2]
+            chunk_bytes = ROWS * LANES * 4
+            per_superblock = SUPERBLOCK // CHUNK
+            zero = ir.Constant(VF, [0.0] * LANES)
+            totals = [[k.at(k.data(8), ir.Constant(I64, (t * ROWS + r) * LANES)) for r in range(ROWS)] for t in range(x_tiles)]
+            for cell in (cell for rows in totals for cell in rows):
+                k.store_vector(zero, cell, ir.Constant(I64, 0))
+
+            def buffer(superblock: ir.Value, c: int) -> ir.Value:
+                """Byte offset in `products` of C tile c of `superblock`: superblocks alternate between two buffers."""
+                which = b.and_(superblock, ir.Constant(I64, 1))
+                return b.mul(b.add(b.mul(which, ir.Constant(I64, 4)), ir.Constant(I64, c)), ir.Constant(I64, chunk_bytes))
+
+            with cgutils.for_range(b, b.add(superblocks, ir.Constant(I64, 1))) as loop:
+                with b.if_then(b.icmp_unsigned("<", loop.index, superblocks)):
+                    for c in range(c_tiles):
+                        _call(b, "llvm.x86.tilezero", [I8], [tile(c)])
+                    for part in range(per_superblock):
+                        chunk = b.add(b.mul(loop.index, ir.Constant(I64, per_superblock)), ir.Constant(I64, part))
+                        for plane in range(planes):
+                            at = b.add(b.mul(chunk, ir.Constant(I64, CHUNK)), b.mul(stride, ir.Constant(I64, plane * ROWS)))
+                            _call(b, "llvm.x86.tileloadd64", [I8, PTR, I64],
+                                  [tile(c_tiles + plane), _address(context, b, signature, args, 0, at), stride])
+                        for t in range(x_tiles):
+                            at = b.mul(b.add(b.mul(b.add(x_tile, ir.Constant(I64, t)), chunks), chunk), ir.Constant(I64, chunk_bytes))
+                            _call(b, "llvm.x86.tileloadd64", [I8, PTR, I64],
+                                  [tile(c_tiles + planes + t), _address(context, b, signature, args, 1, at), ir.Constant(I64, 4 * LANES)])
+                        for t in range(x_tiles):
+                            for plane in range(planes):
+                                _call(b, dot, [I8] * 3, [tile(t * planes + plane), tile(c_tiles + plane), tile(c_tiles + planes + t)])
+                    for c in range(c_tiles):
+                        _call(b, "llvm.x86.tilestored64", [I8, PTR, I64],
+                              [tile(c), _address(context, b, signature, args, 3, buffer(loop.index, c)), ir.Constant(I64, LANES * 4)])
+                with b.if_then(b.icmp_unsigned(">", loop.index, ir.Constant(I64, 0))):
+                    superblock = b.sub(loop.index, ir.Constant(I64, 1))
+                    first_block = b.mul(superblock, per)
+                    for t in range(x_tiles):
+                        tile_index = b.add(x_tile, ir.Constant(I64, t))
+                        dxs = k.load_vector(k.data(6), b.mul(b.add(b.mul(tile_index, superblocks), superblock), ir.Constant(I64, LANES)), VF)
+                        sums = k.at(k.data(7), b.mul(b.add(b.mul(tile_index, blocks), first_block), ir.Constant(I64, LANES)))
+                        stored = [b.bitcast(_address(context, b, signature, args, 3, buffer(superblock, t * planes + plane)), I32.as_pointer())
+                                  for plane in range(planes)]
+                        for r in range(ROWS):
+                            row, at = ir.Constant(I64, r), ir.Constant(I64, r * LANES)
+                            exact = k.load_vector(stored[0], at, VI)
+                            for plane, weight in enumerate(recipe.weights[1:], start=1):
+                                exact = b.add(exact, b.mul(k.load_vector(stored[plane], at, VI), ir.Constant(VI, [weight] * LANES)))
+                            scaled = b.fmul(dxs, k.splat(b.load(k.at(k.row(4, row), superblock))))
+                            value = b.call(fma, [b.sitofp(exact, VF), scaled, k.load_vector(totals[t][r], ir.Constant(I64, 0), VF)])
+                            if recipe.offsets:
+                                cell = cgutils.alloca_once_value(b, value)
+                                offsets = k.at(k.row(5, row), first_block)
+                                with cgutils.for_range(b, per) as block_loop:
+                                    x_sums = k.load_vector(sums, b.mul(block_loop.index, ir.Constant(I64, LANES)), VF)
+                                    offset = k.splat(b.load(k.at(offsets, block_loop.index)))
+                                    b.store(b.call(fma, [x_sums, offset, b.load(cell)]), cell)
+                                value = b.load(cell)
+                            k.store_vector(value, totals[t][r], ir.Constant(I64, 0))
+            store = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [VF, VF.as_pointer(), I32, VMASK]),
+                                                   "llvm.masked.store.v16f32.p0")
+            columns = b.sub(k.columns(9), args[11])
+            mask = b.icmp_signed("<", ir.Constant(VI64, list(range(LANES))), k.splat(columns, LANES))
+            for t, rows in enumerate(totals):
+                values = [k.load_vector(cell, ir.Constant(I64, 0), VF) for cell in rows]
+                first = b.add(args[10], ir.Constant(I64, t * ROWS))
+                for m, value in enumerate(_transposed(b, values)):
+                    with b.if_then(b.icmp_signed("<", b.add(first, ir.Constant(I64, m)), args[12])):
+                        target = k.at(k.row(9, b.add(first, ir.Constant(I64, m))), args[11])
+                        b.call(store, [value, b.bitcast(target, VF.as_pointer()), ir.Constant(I32, 4), mask])
+            return context.get_dummy_value()
+        signature = types.void(unpacked, xb, x_tile, products, factors, offsets, dxt, xst, total, out, first, o0, stop)
+        return signature, codegen
+    return product
+
+
+def _unpack_planes(recipe: Recipe):  # noqa: ANN202  (a Numba intrinsic)
+    """Matrix rows `o0:o0 + 16` (past the last: it again) as the recipe's planes in the rows of
+    `unpacked` (plane p in rows p*16:(p+1)*16), a byte a value in the values' order: each value,
+    less the recipe's center, times its block's digit for that plane (`digits [planes, 16,
+    blocks]`). `int8_kernels._Step.weights` decodes a WIDE group in the nibbles' lane order
+    (values c*32 + h*16 + t at h*64 + c*16 + t), reordered here."""
+    half = WIDE // 2
+    orders = [[h * half + c * 16 + t for c in range(part * 2, part * 2 + 2) for h in range(2) for t in range(16)]
+              for part in range(2)]
+
+    @intrinsic
+    def unpack(typingctx, q, digits, unpacked, o0):  # noqa: ANN001, ANN202, ARG001
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            k, b = Builder(context, builder, signature, args), builder
+            last = b.sub(cgutils.unpack_tuple(b, k.arrays[0].shape, 2)[0], ir.Constant(I64, 1))
+            step = int8_kernels._Step(k, WIDE, 32, as_dtype(k.dtypes[0]))  # noqa: SLF001  (its decoding, shared)
+            bytes_ = ir.VectorType(I8, half)
+            values = k.columns(2)
+            blocks = cgutils.unpack_tuple(b, k.arrays[1].shape, 3)[2]
+            size = b.udiv(values, blocks)
+            center = ir.Constant(bytes_, [recipe.center] * half)
+            for j in range(ROWS):
+                o = b.add(args[3], ir.Constant(I64, j))
+                o = b.select(b.icmp_signed("<", o, last), o, last)
+                with cgutils.for_range(b, b.udiv(values, ir.Constant(I64, WIDE))) as loop:
+                    first = b.mul(loop.index, ir.Constant(I64, WIDE))
+                    low, high = step.weights(k.row(0, o), first)
+                    for part, order in enumerate(orders):
+                        vector = b.sub(b.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, half), order)), center)
+                        at = b.add(first, ir.Constant(I64, part * half))
+                        for plane in range(recipe.planes):
+                            row = k.at(k.data(1), b.mul(ir.Constant(I64, plane * ROWS + j), blocks))
+                            lanes = _lane_digits(k, row, at, size, half)
+                            target = k.row(2, ir.Constant(I64, plane * ROWS + j))
+                            b.store(b.mul(vector, lanes), b.bitcast(k.at(target, at), bytes_.as_pointer()), align=1)
+            return context.get_dummy_value()
+        return types.void(q, digits, unpacked, o0), codegen
+    return unpack
+
+
+def _lane_digits(k: Builder, row: ir.Value, at: ir.Value, size: ir.Value, lanes: int) -> ir.Value:
+    """A byte vector of `lanes` values from value `at` on: each lane its block's digit (`row`,
+    a digit a block; blocks of `size`, 16 or 32)."""
+    b = k.b
+    first = b.udiv(at, size)
+    quarter = [k.splat(b.load(k.at(row, b.add(first, b.udiv(ir.Constant(I64, i * 16), size)))), lanes)
+               for i in range(lanes // 16)]
+    pairs = [b.shuffle_vector(quarter[i], quarter[i + 1], ir.Constant(ir.VectorType(I32, lanes),
+                                                                       [lane // 16 % 2 * lanes + lane for lane in range(lanes)]))
+             for i in (0, 2)]
+    return b.shuffle_vector(pairs[0], pairs[1], ir.Constant(ir.VectorType(I32, lanes),
+                                                            [lane // 32 * lanes + lane for lane in range(lanes)]))
+
+
+@njit(nogil=True)
+def _config():  # noqa: ANN202
+    """The 64 bytes `ldtilecfg` reads: palette 1, and all 8 tiles of 16 rows of 64 bytes (C: 16
+    int32; A: a chunk's 64 values; B: 16 rows of 16 x rows' 4 bytes)."""
+    config = np.zeros(64, np.uint8)
+    config[0] = 1
+    for t in range(8):
+        config[16 + 2 * t] = 4 * LANES
+        config[48 + t] = ROWS
+    return config
+
+
+@njit(parallel=True, nogil=True)
+def _pack(xq, dx, xsum, starts, stops, bases, xb, dxt, xst):  # noqa: ANN001, ANN202
+    """Each group's x rows `starts[g]:stops[g]` as B tiles from tile `bases[g]` on (16 rows a
+    tile, past the group's last row zeros): `xb [tiles, chunks, 16, 16]` int32, 4 bytes of each
+    row a lane; their dx and block sums likewise as `dxt` and `xst`. A tile at a time, on the
+    kernels' threads."""
+    words = xq.view(np.int32)
+    per_chunk = CHUNK // 4
+    groups = np.searchsorted(bases, np.arange(bases[-1]), side="right") - 1
+    for tile in prange(bases[-1]):
+        g = groups[tile]
+        first = starts[g] + (tile - bases[g]) * ROWS
+        for lane in range(ROWS):
+            r = first + lane
+            if r < stops[g]:
+                for c in range(xb.shape[1]):
+                    for i in range(per_chunk):
+                        xb[tile, c, i, lane] = words[r, c * per_chunk + i]
+                for block in range(xst.shape[1]):
+                    xst[tile, block, lane] = xsum[r, block]
+                for s in range(dxt.shape[1]):
+                    dxt[tile, s, lane] = dx[r, s]
+            else:
+                for c in range(xb.shape[1]):
+                    for i in range(per_chunk):
+                        xb[tile, c, i, lane] = 0
+                for block in range(xst.shape[1]):
+                    xst[tile, block, lane] = 0
+                for s in range(dxt.shape[1]):
+                    dxt[tile, s, lane] = 0
+
+
+RECIPES = (NIBBLE_RECIPE, FIVE_BIT_RECIPE, SIX_BIT_RECIPE)
+
+
+@njit(nogil=True)
+def _fill_digits(scale, o0, digits, signed, bits):  # noqa: ANN001, ANN202
+    """Matrix rows `o0:o0 + 16`'s sub-block scales (`scale [rows, blocks]`, past the last row:
+    it again) as a recipe's digits, `digits [planes, 16, blocks]`: unsigned scales split at
+    `bits` (nibbles: 4, Q5_K: 3); `signed` ones in balanced base 7 (-3..3, Q6_K)."""
+    last = scale.shape[0] - 1
+    for j in range(ROWS):
+        o = min(o0 + j, last)
+        for block in range(scale.shape[1]):
+            value = np.int64(scale[o, block])
+            if signed:
+                shifted = value + 171  # 3 * (1 + 7 + 49): every digit shifted up by 3
+                for plane in range(3):
+                    digits[plane, j, block] = shifted % 7 - 3
+                    shifted //= 7
+            else:
+                digits[0, j, block] = value & ((1 << bits) - 1)
+                digits[1, j, block] = value >> bits
+
+
+def _grouped_body(recipe: Recipe):  # noqa: ANN202  (a Numba function, inlined into `_grouped_by`'s)
+    """The grouped product by `recipe`'s planes: rows `starts[g]:stops[g]` of x times matrix
+    `experts[g]` of the stack q into `out`, on `threads` threads (each with its buffers and tile
+    configuration once, for a run of the units: a group's 16 matrix rows each)."""
+    product, unpack = _plane_product(recipe), _unpack_planes(recipe)
+    x_tiles, planes, signed = recipe.x_tiles, recipe.planes, recipe.signed
+    bits = recipe.weights[1].bit_length() - 1
+
+    @njit(inline="always", nogil=True)
+    def grouped(x, q, scale, offset, supers, experts, starts, stops, out, threads):  # noqa: ANN001, ANN202
+        columns = x.shape[1]
+        size = columns // scale.shape[2]
+        per = SUPERBLOCK // size
+        blocks, superblocks = columns // size, columns // SUPERBLOCK
+        xq, dx, xsum = _quantize(x, size, SUPERBLOCK, NATURAL_SIGNED)
+        groups = len(starts)
+        bases = np.zeros(groups + 1, np.int64)
+        for g in range(groups):
+            bases[g + 1] = bases[g] + -(-(stops[g] - starts[g]) // (ROWS * x_tiles)) * x_tiles
+        xb = np.empty((bases[groups], columns // CHUNK, CHUNK // 4, LANES), np.int32)
+        dxt = np.empty((bases[groups], superblocks, LANES), np.float32)
+        xst = np.empty((bases[groups], blocks, LANES), np.float32)
+        _pack(xq, dx, xsum, starts, stops, bases, xb, dxt, xst)
+        rows = q.shape[1]
+        tiles = -(-rows // ROWS)
+        spans = np.zeros(groups + 1, np.int64)
+        spans[1:] = np.cumsum(stops - starts)
+        bounds = even_work(spans, tiles, PARTS)
+        for thread in prange(threads):
+            config = _config()
+            _configure(config)
+            digits = np.empty((planes, ROWS, blocks), np.int8)
+            unpacked = np.empty((planes * ROWS, columns), np.uint8)
+            products = np.empty((2, 4, ROWS, LANES), np.int32)
+            total = np.empty((x_tiles, ROWS, ROWS), np.float32)
+            factors = np.empty((ROWS, superblocks), np.float32)
+            offsets = np.empty((ROWS, blocks), np.float32)
+            for unit in range(bounds[PARTS * thread // threads], bounds[PARTS * (thread + 1) // threads]):
+                g, o0 = unit // tiles, unit % tiles * ROWS
+                e = experts[g]
+                _fill_digits(scale[e], o0, digits, signed, bits)
+                unpack(q[e], digits, unpacked, o0)
+                for j in range(ROWS):
+                    o = min(o0 + j, rows - 1)
+                    for block in range(blocks):
+                        offsets[j, block] = offset[e, o, block] * supers[e, o, 2 * (block // per) + 1]
+                    for s in range(superblocks):
+                        factors[j, s] = supers[e, o, 2 * s]
+                for x_tile in range(bases[g], bases[g + 1], x_tiles):
+                    first = starts[g] + (x_tile - bases[g]) * ROWS
+                    product(unpacked, xb, x_tile, products, factors, offsets, dxt, xst, total, out, first, o0, stops[g])
+            _release()
+        return out
+    return grouped
+
+
+_nibble_body, _five_bit_body, _six_bit_body = (_grouped_body(recipe) for recipe in RECIPES)
+# A compiled function a recipe, each cached under its own name: with the recipe an argument, every
+# recipe's code was compiled into each (16 s cold for one form, about 8 s now), and closures made by one
+# factory would share one name in Numba's cache index.
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _grouped_nibbles(x, q, scale, offset, supers, experts, starts, stops, out, threads):  # noqa: ANN001, ANN202
+    return _nibble_body(x, q, scale, offset, supers, experts, starts, stops, out, threads)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _grouped_five_bits(x, q, scale, offset, supers, experts, starts, stops, out, threads):  # noqa: ANN001, ANN202
+    return _five_bit_body(x, q, scale, offset, supers, experts, starts, stops, out, threads)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _grouped_six_bits(x, q, scale, offset, supers, experts, starts, stops, out, threads):  # noqa: ANN001, ANN202
+    return _six_bit_body(x, q, scale, offset, supers, experts, starts, stops, out, threads)
+
+
+_GROUPED = (_grouped_nibbles, _grouped_five_bits, _grouped_six_bits)  # by recipe, RECIPES' order
+
+
+def recipe_for(values: np.dtype, scales: np.dtype, block: int) -> int | None:
+    """The index in RECIPES of a matrix form (values' and scales' dtypes, values a scale; None: not
+    on the tiles): Q4_K (nibbles, blocks of 32), Q5_K (six bits, blocks of 32) or Q6_K (six bits,
+    blocks of 16)."""
+    if not by_superblock(values, scales):
+        return None
+    if values == NIBBLES and block == 32:
+        return 0
+    if values == SIXBITS:
+        return 1 if block == 32 else 2
+    return None
+
+
+def recipe_of(q: np.ndarray, scale: np.ndarray) -> int | None:
+    """`recipe_for` a matrix's arrays (or an expert stack's)."""
+    return recipe_for(q.dtype, scale.dtype, values_in(q.dtype, q.shape[-1]) // scale.shape[-1])
+
+
+def enabled() -> bool:
+    """Whether products may take the tiles: available here, and not turned off (ENV, read at each
+    product, so a benchmark can alternate the two in one process)."""
+    return os.environ.get(ENV, "auto") != "off" and available()
+
+
+def takes(q: np.ndarray, scale: np.ndarray, rows: int) -> bool:
+    """Whether a product of `rows` x rows with this matrix runs here (each group's rows, for a
+    stack): int8 activations on, a form with a recipe, more rows than a verify pass."""
+    return rows > COLUMN_ROWS and int8_kernels.takes(q.dtype) and recipe_of(q, scale) is not None and enabled()
+
+
+def grouped_times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray,
+                  experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
+    """`int8_kernels.grouped_times` with the groups of more than COLUMN_ROWS rows on the tiles;
+    the others keep `int8_kernels`' kernels, whose bits are a decode step's."""
+    if not available():  # the tiles' instructions would end the process (SIGILL)
+        raise RuntimeError("AMX tiles are not available to this process")
+    sizes = np.diff(firsts)
+    large = sizes > COLUMN_ROWS
+    out = np.empty((len(x), q.shape[1]), np.float32)
+    _GROUPED[recipe_of(q, scale)](x, q, scale, offset, supers, experts[large], firsts[:-1][large], firsts[1:][large], out,
+                                  get_num_threads())
+    if not large.all():
+        rows = np.concatenate([np.arange(a, b) for a, b in zip(firsts[:-1][~large], firsts[1:][~large], strict=True)])
+        small_firsts = np.concatenate([[0], np.cumsum(sizes[~large])])
+        out[rows] = int8_kernels.grouped_times(x[rows], q, scale, offset, supers, experts[~large], small_firsts)
+    return out
+
+
+def times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray) -> np.ndarray:
+    """`int8_kernels.times` on the tiles (`takes`)."""
+    whole = np.array([0, len(x)], np.int64)
+    return grouped_times(x, q[None], scale[None], offset[None], supers[None], np.zeros(1, np.int64), whole)
+
+
+def prepare(forms: Iterable[tuple[np.dtype, np.dtype, int]]) -> None:
+    """Compile the grouped product for the forms (values' and scales' dtypes, block size) of the
+    matrices the engine keeps that run here (`kernels.prepare`), or load it from Numba's cache."""
+    if not enabled():
+        return
+    matrix, cube, ids = types.Array(types.float32, 2, "C"), types.Array(types.float32, 3, "C"), types.Array(types.int64, 1, "C")
+    for values, scales, block in sorted(set(forms), key=str):
+        kind = recipe_for(values, scales, block)
+        if kind is not None and int8_kernels.takes(values):
+            q, s = (types.Array(numba.from_dtype(dtype), 3, "C") for dtype in (values, scales))
+            _GROUPED[kind].compile((matrix, q, s, s, cube, ids, ids, ids, matrix, types.int64))

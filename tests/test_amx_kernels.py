@@ -1,0 +1,123 @@
+"""Prompt-sized products on AMX tiles (`amx_kernels`): the products of x rounded to int8 as the
+VNNI kernels compute them, up to float32 sums; a row's bits independent of what else a chunk
+holds; a decode step's and a verify pass's rows (and small expert groups) on the VNNI kernels with
+their one-row bits; a model's prompt pass giving the same greedy tokens either way."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from lmserve.engine_cpu import CPUEngine, amx_kernels, int8_kernels
+from lmserve.engine_cpu.int8_kernels import COLUMN_ROWS
+from lmserve.engine_cpu.qmatrix import SUPERBLOCK, WIDE_VALUES, ExpertStack
+from lmserve.model.config import ModelConfig
+from lmserve.model.gguf_file import GGUFFile
+from tests.families import Fixture
+from tests.test_int8_kernels import rounded
+from tests.test_qmatrix import encoded_matrix
+
+T = GGMLQuantizationType
+TILE_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K]  # the forms with a recipe (`amx_kernels.RECIPES`)
+pytestmark = [pytest.mark.fast,
+              pytest.mark.skipif(sys.platform == "darwin", reason="numba is not installed on macOS (MLX serves)")]
+
+
+@pytest.fixture
+def tiles(int8_dots: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 activations with the AMX tiles on, where this CPU and kernel allow them."""
+    if not amx_kernels.available():
+        pytest.skip("AMX-INT8 tiles are not available here")
+    monkeypatch.setenv(amx_kernels.ENV, "auto")
+
+
+def vnni(x: np.ndarray, matrix: object) -> np.ndarray:
+    """The VNNI kernels' product, whatever the row count."""
+    return int8_kernels.times(x, *matrix.arrays)
+
+
+@pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
+def test_tile_products_are_the_products_of_x_rounded_to_int8(qtype: GGMLQuantizationType, tiles: None) -> None:
+    """Row counts past a verify pass's, odd ones too (x tiles padded), and a matrix row count that
+    is not a whole number of tiles: the float64 product of the file's values with x rounded to
+    int8 per superblock, up to float32 sums, as close as the VNNI kernels come."""
+    matrix, values = encoded_matrix(qtype, 45, 512)
+    for rows in (COLUMN_ROWS + 1, 40, 67):
+        x = np.random.default_rng(rows).standard_normal((rows, 512)).astype(np.float32)
+        want = rounded(x, SUPERBLOCK).astype(np.float64) @ values.T.astype(np.float64)
+        got = amx_kernels.times(x, *matrix.arrays)
+        scale = float(np.abs(want).max())
+        assert np.abs(got - want).max() <= 2e-6 * scale, (qtype.name, rows)
+        assert np.abs(got - vnni(x, matrix)).max() <= 2e-6 * scale
+
+
+@pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
+def test_a_rows_tile_bits_do_not_depend_on_what_else_the_chunk_holds(qtype: GGMLQuantizationType, tiles: None) -> None:
+    """The same row in chunks of other sizes, at other positions, gets the same bits; a row of x
+    that is not finite makes its own results NaN and leaves the others' bits alone."""
+    matrix, _ = encoded_matrix(qtype, 37, 512)
+    x = np.random.default_rng(3).standard_normal((60, 512)).astype(np.float32)
+    whole = amx_kernels.times(x, *matrix.arrays)
+    assert np.array_equal(amx_kernels.times(x[13:50], *matrix.arrays), whole[13:50])
+    assert np.array_equal(amx_kernels.times(x[::-1].copy(), *matrix.arrays)[::-1], whole)
+    x[5, 100], x[41, 7] = np.inf, np.nan
+    got = amx_kernels.times(x, *matrix.arrays)
+    assert np.isnan(got[[5, 41]]).all()
+    assert np.array_equal(np.delete(got, [5, 41], axis=0), np.delete(whole, [5, 41], axis=0))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_small_groups_keep_the_vnni_kernels_one_row_bits(qtype: GGMLQuantizationType, tiles: None) -> None:
+    """In one grouped call, groups of a verify pass's size get each row its expert's one-row bits
+    (the VNNI kernels'); larger groups run on the tiles, their rows as the tiles give them alone."""
+    experts, rows_each = 6, 40
+    stack = ExpertStack(encoded_matrix(qtype, experts * rows_each, 512)[0], experts)
+    x = np.random.default_rng(5).standard_normal((70, 512)).astype(np.float32)
+    groups, firsts = np.array([4, 0, 2, 5]), np.array([0, 3, 33, 49, 70])
+    got = stack.times_grouped(x, groups, firsts)
+    for expert, start, stop in zip(groups.tolist(), firsts[:-1], firsts[1:], strict=True):
+        rows = slice(start, stop)
+        if stop - start <= COLUMN_ROWS:
+            for row in range(start, stop):
+                assert np.array_equal(got[row], vnni(x[row:row + 1], stack[expert])[0])
+        else:
+            assert np.array_equal(got[rows], amx_kernels.times(x[rows], *stack[expert].arrays))
+
+
+def test_products_past_a_verify_pass_take_the_tiles_unless_they_are_off(tiles: None,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt chunk's product with a large Q4_K matrix runs on the tiles; a verify pass's rows
+    keep the VNNI kernels; LMSERVE_CPU_TILES=off puts every product back on them; forms without
+    a recipe (Q4_0) never take the tiles."""
+    matrix, _ = encoded_matrix(T.Q4_K, WIDE_VALUES // 512, 512)
+    x = np.random.default_rng(7).standard_normal((48, 512)).astype(np.float32)
+    assert np.array_equal(matrix.times(x), amx_kernels.times(x, *matrix.arrays))
+    assert not np.array_equal(matrix.times(x), vnni(x, matrix))  # other sums: float32's rounding
+    assert np.array_equal(matrix.times(x[:COLUMN_ROWS]), vnni(x[:COLUMN_ROWS], matrix))
+    monkeypatch.setenv(amx_kernels.ENV, "off")
+    assert np.array_equal(matrix.times(x), vnni(x, matrix))
+    assert not amx_kernels.takes(encoded_matrix(T.Q4_0, 37, 512)[0].q, encoded_matrix(T.Q4_0, 37, 512)[0].scale, 48)
+
+
+def test_a_prompt_pass_gives_the_greedy_tokens_the_vnni_kernels_give(tiles: None,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama3's Q4_K_M fixture (Q4_K and Q6_K matrices): a 20-token prompt's rows take the tiles,
+    and its logits are the VNNI kernels' up to float32 sums, the same top token at every position."""
+    gguf = GGUFFile(Fixture("llama3", "Q4_K_M").path)
+    engine = CPUEngine(gguf, ModelConfig.from_gguf(gguf), kv_type="f32", tune_threads=False)
+    prompt = [(7 * i) % engine.config.vocab_size for i in range(20)]
+    calls = []
+    monkeypatch.setattr(amx_kernels, "grouped_times", lambda *a, f=amx_kernels.grouped_times: calls.append(1) or f(*a))
+
+    def logits() -> np.ndarray:
+        return engine.prefill(engine.new_cache(64), prompt, all_logits=True)
+
+    on = logits()
+    assert calls
+    monkeypatch.setenv(amx_kernels.ENV, "off")
+    off = logits()
+    assert np.array_equal(on.argmax(-1), off.argmax(-1))
+    assert np.abs(on - off).max() <= 1e-3 * np.abs(off).max()
