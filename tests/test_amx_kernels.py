@@ -121,3 +121,11 @@ def test_a_prompt_pass_gives_the_greedy_tokens_the_vnni_kernels_give(tiles: None
     off = logits()
     assert np.array_equal(on.argmax(-1), off.argmax(-1))
     assert np.abs(on - off).max() <= 1e-3 * np.abs(off).max()
+
+
+def test_the_banner_names_the_tiles_for_a_model_they_serve(tiles: None, smollm2_path) -> None:  # noqa: ANN001
+    """/health's device names the tiles for a model with K-quants (llama3's Q4_K_M fixture), not
+    for one they never run (SmolLM2's Q4_1)."""
+    devices = [CPUEngine(gguf, ModelConfig.from_gguf(gguf), tune_threads=False).device
+               for gguf in (GGUFFile(Fixture("llama3", "Q4_K_M").path), GGUFFile(smollm2_path))]
+    assert "AMX tiles" in devices[0] and "AMX tiles" not in devices[1]

@@ -92,9 +92,11 @@ class CPUEngine(Engine[CPUCache]):
 
             int8_kernels.choose(dots)
             kind = f"kernels on the file's quants, {'int8' if int8_kernels.ENABLED else 'float32'} activations"
-            if int8_kernels.ENABLED and amx_kernels.enabled():
+            blocks = kept_blocks(self.weights)
+            if int8_kernels.ENABLED and amx_kernels.enabled() and any(amx_kernels.recipe_for(*form) is not None
+                                                                      for form in blocks):
                 kind += " (prompt chunks of K-quants on AMX tiles)"
-            self.prepared = kernels.prepare(kept_forms(self.weights), stacked_forms(self.weights), kept_blocks(self.weights))
+            self.prepared = kernels.prepare(kept_forms(self.weights), stacked_forms(self.weights), blocks)
             blas, most = blas_threads(), kernels.most_threads()
 
             def apply(count: int, wide: bool) -> None:
