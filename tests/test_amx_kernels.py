@@ -15,7 +15,7 @@ from lmserve.engine_cpu import CPUEngine, amx_kernels, int8_kernels
 from lmserve.engine_cpu.int8_kernels import COLUMN_ROWS
 from lmserve.engine_cpu.qmatrix import SUPERBLOCK, WIDE_VALUES, ExpertStack
 from lmserve.model.config import ModelConfig
-from lmserve.model.gguf_file import GGUFFile
+from lmserve.model.gguf_file import GGUFFile, ModelLoadError
 from tests.families import Fixture
 from tests.test_int8_kernels import rounded
 from tests.test_qmatrix import encoded_matrix
@@ -129,3 +129,11 @@ def test_the_banner_names_the_tiles_for_a_model_they_serve(tiles: None, smollm2_
     devices = [CPUEngine(gguf, ModelConfig.from_gguf(gguf), tune_threads=False).device
                for gguf in (GGUFFile(Fixture("llama3", "Q4_K_M").path), GGUFFile(smollm2_path))]
     assert "AMX tiles" in devices[0] and "AMX tiles" not in devices[1]
+
+
+def test_a_tiles_setting_other_than_auto_or_off_is_refused_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mistyped LMSERVE_CPU_TILES stops the load with one line naming it, on any CPU."""
+    monkeypatch.setenv(amx_kernels.ENV, "of")
+    gguf = GGUFFile(Fixture("llama3", "Q4_K_M").path)
+    with pytest.raises(ModelLoadError, match="LMSERVE_CPU_TILES must be auto or off, not 'of'"):
+        CPUEngine(gguf, ModelConfig.from_gguf(gguf), tune_threads=False)

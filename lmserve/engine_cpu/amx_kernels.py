@@ -50,6 +50,7 @@ from lmserve.engine_cpu.expert_split import PARTS, even_work
 from lmserve.engine_cpu.int8_kernels import COLUMN_ROWS, NATURAL_SIGNED, WIDE, _quantize, by_superblock
 from lmserve.engine_cpu.kernel_ir import F32, I8, I32, I64, Builder
 from lmserve.engine_cpu.qmatrix import NIBBLES, SIXBITS, SUPERBLOCK, values_in
+from lmserve.model.gguf_file import ModelLoadError
 
 ROWS = 16  # a tile's rows: matrix rows in A and C, x rows in B's columns
 LANES = 16  # int32 or float32 values a C row holds, one 512-bit vector
@@ -369,7 +370,7 @@ def _grouped_body(recipe: Recipe):  # noqa: ANN202  (a Numba function, inlined i
     `experts[g]` of the stack q into `out`, on `threads` threads (each with its buffers and tile
     configuration once, for a run of the units: a group's 16 matrix rows each)."""
     product, unpack = _plane_product(recipe), _unpack_planes(recipe)
-    x_tiles, planes, signed = recipe.x_tiles, recipe.planes, recipe.signed
+    x_tiles, planes, signed, with_offsets = recipe.x_tiles, recipe.planes, recipe.signed, recipe.offsets
     bits = recipe.weights[1].bit_length() - 1
 
     @njit(inline="always", nogil=True)
@@ -408,7 +409,7 @@ def _grouped_body(recipe: Recipe):  # noqa: ANN202  (a Numba function, inlined i
                 unpack(q[e], digits, unpacked, o0)
                 for j in range(ROWS):
                     o = min(o0 + j, rows - 1)
-                    for block in range(blocks):
+                    for block in range(blocks if with_offsets else 0):  # Q6_K's are centered away
                         offsets[j, block] = offset[e, o, block] * supers[e, o, 2 * (block // per) + 1]
                     for s in range(superblocks):
                         factors[j, s] = supers[e, o, 2 * s]
@@ -460,6 +461,14 @@ def recipe_for(values: np.dtype, scales: np.dtype, block: int) -> int | None:
 def recipe_of(q: np.ndarray, scale: np.ndarray) -> int | None:
     """`recipe_for` a matrix's arrays (or an expert stack's)."""
     return recipe_for(q.dtype, scale.dtype, values_in(q.dtype, q.shape[-1]) // scale.shape[-1])
+
+
+def check_setting() -> None:
+    """ModelLoadError for an ENV value other than `auto` or `off` (checked at load, as the
+    settings are, rather than taken silently as `auto`)."""
+    value = os.environ.get(ENV, "auto")
+    if value not in ("auto", "off"):
+        raise ModelLoadError(f"{ENV} must be auto or off, not {value!r}")
 
 
 def enabled() -> bool:

@@ -38,7 +38,7 @@ from lmserve.engine_cpu.cache import CPUCache, Layout
 from lmserve.engine_cpu.ffn import feed_forward
 from lmserve.engine_cpu.qmatrix import KERNEL_ROWS
 from lmserve.engine_cpu.threads import ThreadTuner, blas_threads
-from lmserve.engine_cpu.weights import DeltaNetWeights, kept_blocks, kept_forms, load_weights, stacked_forms
+from lmserve.engine_cpu.weights import DeltaNetWeights, kept_forms, load_weights, stacked_forms
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile
 
@@ -79,6 +79,11 @@ class CPUEngine(Engine[CPUCache]):
         check_head_sizes(KV_TYPES[self.kv_type], (config.head_size(i) for i in config.attention_layers))
         self.kv_dtype_bytes = KV_TYPES[self.kv_type].bytes_per_element
         quantized = kernels_available() if quantized is None else quantized
+        if quantized:  # the kernels' settings, checked before the weights load
+            from lmserve.engine_cpu import amx_kernels, int8_kernels, kernels
+
+            int8_kernels.choose(dots)
+            amx_kernels.check_setting()
         self.weights = load_weights(gguf, config, progress, available_memory, quantized)
         self._activation = ops.GATED_ACTIVATIONS[config.activation]
         self._layout = Layout.of(config, self.kv_type)
@@ -88,15 +93,12 @@ class CPUEngine(Engine[CPUCache]):
         self._scratch = ops.Scratch()  # the passes' attention scores, one pass after another
         kind = "float32"
         if quantized:
-            from lmserve.engine_cpu import amx_kernels, int8_kernels, kernels
-
-            int8_kernels.choose(dots)
             kind = f"kernels on the file's quants, {'int8' if int8_kernels.ENABLED else 'float32'} activations"
-            blocks = kept_blocks(self.weights)
+            forms = kept_forms(self.weights)
             if int8_kernels.ENABLED and amx_kernels.enabled() and any(amx_kernels.recipe_for(*form) is not None
-                                                                      for form in blocks):
+                                                                      for form in forms):
                 kind += " (prompt chunks of K-quants on AMX tiles)"
-            self.prepared = kernels.prepare(kept_forms(self.weights), stacked_forms(self.weights), blocks)
+            self.prepared = kernels.prepare(forms, stacked_forms(self.weights))
             blas, most = blas_threads(), kernels.most_threads()
 
             def apply(count: int, wide: bool) -> None:

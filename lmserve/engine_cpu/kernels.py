@@ -184,7 +184,8 @@ def grouped_times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.nd
                   experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
     """Rows `firsts[g]:firsts[g + 1]` of `x [n, in]` times matrix `experts[g]` of the stack
     `[matrices, out, in]` transposed: `[n, out]`, each row's values the bits `times` gives it."""
-    if amx_kernels.takes(q, scale, int(np.max(np.diff(firsts), initial=0))):
+    # A decode step's few rows skip the largest group's count (a call a layer a step).
+    if len(x) > int8_kernels.COLUMN_ROWS and amx_kernels.takes(q, scale, int(np.max(np.diff(firsts)))):
         return amx_kernels.grouped_times(x, q, scale, offset, supers, experts, firsts)
     if int8_kernels.takes(q.dtype):
         return int8_kernels.grouped_times(x, q, scale, offset, supers, experts, firsts)
@@ -211,16 +212,16 @@ def dequantize(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.
     _dequantize(q, scale, offset, supers, out)
 
 
-def prepare(forms: Iterable[tuple[np.dtype, np.dtype]], stacked: Iterable[tuple[np.dtype, np.dtype]] = (),
-            blocks: Iterable[tuple[np.dtype, np.dtype, int]] = ()) -> str:
-    """Compile the kernels for the (values dtype, scales dtype) pairs of the matrices the engine
-    passes, the grouped one for expert stacks of `stacked`, and the AMX tiles' product for the forms
-    (with block sizes) of `blocks` that run there (or load them from Numba's cache,
-    `cache=True`, written beside this module) without running them: compiled lazily, the first
-    request after an install waited for them. What happened, for the banner."""
+def prepare(forms: Iterable[tuple[np.dtype, np.dtype, int]], stacked: Iterable[tuple[np.dtype, np.dtype]] = ()) -> str:
+    """Compile the kernels for the (values dtype, scales dtype, block size) forms of the matrices
+    the engine passes (the AMX tiles' product too, for those that run there), and the grouped one
+    for expert stacks of `stacked` (or load them from Numba's cache, `cache=True`, written beside
+    this module) without running them: compiled lazily, the first request after an install waited
+    for them. What happened, for the banner."""
     started = time.perf_counter()
+    forms = set(forms)
     matrix, cube = types.Array(types.float32, 2, "C"), types.Array(types.float32, 3, "C")
-    for values, scales in sorted(set(forms), key=str):
+    for values, scales in sorted({(values, scales) for values, scales, _ in forms}, key=str):
         q, s = (types.Array(numba.from_dtype(dtype), 2, "C") for dtype in (values, scales))
         _times.compile((matrix, q, s, s, matrix, matrix, matrix))
         _dequantize.compile((q, s, s, matrix, matrix))
@@ -232,7 +233,7 @@ def prepare(forms: Iterable[tuple[np.dtype, np.dtype]], stacked: Iterable[tuple[
         _grouped_times.compile((matrix, q, s, s, cube, matrix, matrix, ids, ids))
         if int8_kernels.takes(values):
             int8_kernels.prepare(q, s, ids)
-    amx_kernels.prepare(blocks)  # the forms with their block sizes: the tiles' recipes
+    amx_kernels.prepare(forms)  # the block sizes tell the tiles' recipes apart
     took = time.perf_counter() - started
     if sum(_times.stats.cache_hits.values()):
         return f"compiled kernels loaded from Numba's cache in {took:.1f} s"

@@ -602,13 +602,9 @@ def _experts(loader: _Loader, c: ModelConfig, i: int) -> ExpertWeights:
     )
 
 
-def kept_forms(weights: ModelWeights) -> set[tuple[np.dtype, np.dtype]]:
-    """The (values, scales) dtypes of the matrices kept in their file's quants."""
-    return {(matrix.q.dtype, matrix.scale.dtype) for matrix in _quant_matrices([weights])}
-
-
-def kept_blocks(weights: ModelWeights) -> set[tuple[np.dtype, np.dtype, int]]:
-    """`kept_forms` with each form's block size (values a scale), which tells Q5_K from Q6_K."""
+def kept_forms(weights: ModelWeights) -> set[tuple[np.dtype, np.dtype, int]]:
+    """The (values, scales) dtypes of the matrices kept in their file's quants, with each form's
+    block size (values a scale), which tells Q5_K from Q6_K (`amx_kernels.recipe_for`)."""
     return {(matrix.q.dtype, matrix.scale.dtype, matrix.block) for matrix in _quant_matrices([weights])}
 
 
