@@ -15,6 +15,7 @@ from lmserve.engine_cpu.weights import AttentionWeights
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile
 from tests.conftest import TINY_LLAMA
+from tests.families import Fixture
 from tests.fixture_models import write_all
 
 pytestmark = pytest.mark.fast  # in-process: part of `scripts/test.sh -m fast`
@@ -329,3 +330,13 @@ def test_progress_counts_every_tensor(tiny_models: dict[str, Path]) -> None:
     gguf = GGUFFile(tiny_models["qwen2-F16"])
     CPUEngine(gguf, ModelConfig.from_gguf(gguf), progress=lambda done, total: calls.append((done, total)))
     assert calls == [(i, len(gguf.tensors)) for i in range(1, len(gguf.tensors) + 1)]
+
+
+def test_progress_of_fused_expert_tensors_ends_at_their_count() -> None:
+    """A MoE's gate and up experts load as interleaved jobs (expert by expert): each tensor counts
+    once, when its last job is done, so the progress never passes 100% (it showed 600%)."""
+    calls: list[tuple[int, int]] = []
+    gguf = GGUFFile(Fixture("qwen3moe", "Q4_K_M").path)
+    CPUEngine(gguf, ModelConfig.from_gguf(gguf), progress=lambda done, total: calls.append((done, total)))
+    total = calls[-1][1]
+    assert calls == [(i, total) for i in range(1, total + 1)]

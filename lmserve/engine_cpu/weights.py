@@ -313,17 +313,18 @@ class _Loader:
         return info.shape
 
     def run(self, progress: Progress | None) -> None:
-        """Dequantize every job; progress counts tensors (an expert tensor is several jobs)."""
-        total = len({name for name, *_ in self.jobs})
+        """Dequantize every job; progress counts tensors, each done at its last job (an expert
+        tensor is several jobs, interleaved with its fused partner's: gate, up, gate, ...)."""
+        last = {name: i for i, (name, *_) in enumerate(self.jobs)}
         done = 0
         for i, (name, out, heads_permuted, first_row) in enumerate(self.jobs):
             if isinstance(out, QuantMatrix):
                 self._encode_into(name, out, heads_permuted, first_row)
             else:
                 self._dequantize_into(name, out, heads_permuted, first_row)
-            if progress is not None and (i + 1 == len(self.jobs) or self.jobs[i + 1][0] != name):
+            if progress is not None and last[name] == i:
                 done += 1
-                progress(done, total)
+                progress(done, len(last))
 
     def _dequantize_into(self, name: str, out: np.ndarray, heads_permuted: bool, first_row: int) -> None:
         """Fill `out` a few rows at a time, from row `first_row` of the tensor (its values seen as
