@@ -75,31 +75,31 @@ def available() -> bool:
     return libc.syscall(_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
 
 
-def _call(builder: ir.IRBuilder, name: str, argument_types: list[ir.Type], arguments: list[ir.Value]) -> None:
+def call_void(builder: ir.IRBuilder, name: str, argument_types: list[ir.Type], arguments: list[ir.Value]) -> None:
     function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), argument_types), name)
     builder.call(function, arguments)
 
 
-def _address(context, builder, signature, args, i: int, offset: ir.Value) -> ir.Value:  # noqa: ANN001
+def byte_address(context, builder, signature, args, i: int, offset: ir.Value) -> ir.Value:  # noqa: ANN001
     """The byte `offset` bytes into argument i's array data."""
     array = context.make_array(signature.args[i])(context, builder, args[i])
     return builder.gep(builder.bitcast(array.data, PTR), [offset])
 
 
 @intrinsic
-def _configure(typingctx, config):  # noqa: ANN001, ANN202, ARG001
-    """`ldtilecfg` from the 64 bytes of `config` (`_config`): each thread, before its tiles."""
+def configure_tiles(typingctx, config):  # noqa: ANN001, ANN202, ARG001
+    """`ldtilecfg` from the 64 bytes of `config` (`tile_config`): each thread, before its tiles."""
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        _call(builder, "llvm.x86.ldtilecfg", [PTR], [_address(context, builder, signature, args, 0, ir.Constant(I64, 0))])
+        call_void(builder, "llvm.x86.ldtilecfg", [PTR], [byte_address(context, builder, signature, args, 0, ir.Constant(I64, 0))])
         return context.get_dummy_value()
     return types.void(config), codegen
 
 
 @intrinsic
-def _release(typingctx):  # noqa: ANN001, ANN202, ARG001
+def release_tiles(typingctx):  # noqa: ANN001, ANN202, ARG001
     """`tilerelease`: the thread's tile state back to its initial (unsaved) form."""
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202, ARG001
-        _call(builder, "llvm.x86.tilerelease", [], [])
+        call_void(builder, "llvm.x86.tilerelease", [], [])
         return context.get_dummy_value()
     return types.void(), codegen
 
@@ -168,14 +168,14 @@ def _plane_product(recipe: Recipe):  # noqa: ANN202  (a Numba intrinsic)
             chunks = cgutils.unpack_tuple(b, k.arrays[1].shape, 4)[1]
             superblocks = cgutils.unpack_tuple(b, k.arrays[6].shape, 3)[1]
             blocks = cgutils.unpack_tuple(b, k.arrays[7].shape, 3)[1]
-            per = b.udiv(blocks, superblocks)
             x_tile = args[2]
             chunk_bytes = ROWS * LANES * 4
             per_superblock = SUPERBLOCK // CHUNK
             zero = ir.Constant(VF, [0.0] * LANES)
             totals = [[k.at(k.data(8), ir.Constant(I64, (t * ROWS + r) * LANES)) for r in range(ROWS)] for t in range(x_tiles)]
-            for cell in (cell for rows in totals for cell in rows):
-                k.store_vector(zero, cell, ir.Constant(I64, 0))
+            for t, rows in enumerate(totals):
+                for r, value in enumerate(_offsets_term(k, args[2], t, blocks) if recipe.offsets else [zero] * ROWS):
+                    k.store_vector(value, rows[r], ir.Constant(I64, 0))
 
             def buffer(superblock: ir.Value, c: int) -> ir.Value:
                 """Byte offset in `products` of C tile c of `superblock`: superblocks alternate between two buffers."""
@@ -185,31 +185,29 @@ def _plane_product(recipe: Recipe):  # noqa: ANN202  (a Numba intrinsic)
             with cgutils.for_range(b, b.add(superblocks, ir.Constant(I64, 1))) as loop:
                 with b.if_then(b.icmp_unsigned("<", loop.index, superblocks)):
                     for c in range(c_tiles):
-                        _call(b, "llvm.x86.tilezero", [I8], [tile(c)])
+                        call_void(b, "llvm.x86.tilezero", [I8], [tile(c)])
                     for part in range(per_superblock):
                         chunk = b.add(b.mul(loop.index, ir.Constant(I64, per_superblock)), ir.Constant(I64, part))
                         for plane in range(planes):
                             at = b.add(b.mul(chunk, ir.Constant(I64, CHUNK)), b.mul(stride, ir.Constant(I64, plane * ROWS)))
-                            _call(b, "llvm.x86.tileloadd64", [I8, PTR, I64],
-                                  [tile(c_tiles + plane), _address(context, b, signature, args, 0, at), stride])
+                            call_void(b, "llvm.x86.tileloadd64", [I8, PTR, I64],
+                                  [tile(c_tiles + plane), byte_address(context, b, signature, args, 0, at), stride])
                         for t in range(x_tiles):
                             at = b.mul(b.add(b.mul(b.add(x_tile, ir.Constant(I64, t)), chunks), chunk), ir.Constant(I64, chunk_bytes))
-                            _call(b, "llvm.x86.tileloadd64", [I8, PTR, I64],
-                                  [tile(c_tiles + planes + t), _address(context, b, signature, args, 1, at), ir.Constant(I64, 4 * LANES)])
+                            call_void(b, "llvm.x86.tileloadd64", [I8, PTR, I64],
+                                  [tile(c_tiles + planes + t), byte_address(context, b, signature, args, 1, at), ir.Constant(I64, 4 * LANES)])
                         for t in range(x_tiles):
                             for plane in range(planes):
-                                _call(b, dot, [I8] * 3, [tile(t * planes + plane), tile(c_tiles + plane), tile(c_tiles + planes + t)])
+                                call_void(b, dot, [I8] * 3, [tile(t * planes + plane), tile(c_tiles + plane), tile(c_tiles + planes + t)])
                     for c in range(c_tiles):
-                        _call(b, "llvm.x86.tilestored64", [I8, PTR, I64],
-                              [tile(c), _address(context, b, signature, args, 3, buffer(loop.index, c)), ir.Constant(I64, LANES * 4)])
+                        call_void(b, "llvm.x86.tilestored64", [I8, PTR, I64],
+                              [tile(c), byte_address(context, b, signature, args, 3, buffer(loop.index, c)), ir.Constant(I64, LANES * 4)])
                 with b.if_then(b.icmp_unsigned(">", loop.index, ir.Constant(I64, 0))):
                     superblock = b.sub(loop.index, ir.Constant(I64, 1))
-                    first_block = b.mul(superblock, per)
                     for t in range(x_tiles):
                         tile_index = b.add(x_tile, ir.Constant(I64, t))
                         dxs = k.load_vector(k.data(6), b.mul(b.add(b.mul(tile_index, superblocks), superblock), ir.Constant(I64, LANES)), VF)
-                        sums = k.at(k.data(7), b.mul(b.add(b.mul(tile_index, blocks), first_block), ir.Constant(I64, LANES)))
-                        stored = [b.bitcast(_address(context, b, signature, args, 3, buffer(superblock, t * planes + plane)), I32.as_pointer())
+                        stored = [b.bitcast(byte_address(context, b, signature, args, 3, buffer(superblock, t * planes + plane)), I32.as_pointer())
                                   for plane in range(planes)]
                         for r in range(ROWS):
                             row, at = ir.Constant(I64, r), ir.Constant(I64, r * LANES)
@@ -218,14 +216,6 @@ def _plane_product(recipe: Recipe):  # noqa: ANN202  (a Numba intrinsic)
                                 exact = b.add(exact, b.mul(k.load_vector(stored[plane], at, VI), ir.Constant(VI, [weight] * LANES)))
                             scaled = b.fmul(dxs, k.splat(b.load(k.at(k.row(4, row), superblock))))
                             value = b.call(fma, [b.sitofp(exact, VF), scaled, k.load_vector(totals[t][r], ir.Constant(I64, 0), VF)])
-                            if recipe.offsets:
-                                cell = cgutils.alloca_once_value(b, value)
-                                offsets = k.at(k.row(5, row), first_block)
-                                with cgutils.for_range(b, per) as block_loop:
-                                    x_sums = k.load_vector(sums, b.mul(block_loop.index, ir.Constant(I64, LANES)), VF)
-                                    offset = k.splat(b.load(k.at(offsets, block_loop.index)))
-                                    b.store(b.call(fma, [x_sums, offset, b.load(cell)]), cell)
-                                value = b.load(cell)
                             k.store_vector(value, totals[t][r], ir.Constant(I64, 0))
             store = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [VF, VF.as_pointer(), I32, VMASK]),
                                                    "llvm.masked.store.v16f32.p0")
@@ -242,6 +232,25 @@ def _plane_product(recipe: Recipe):  # noqa: ANN202  (a Numba intrinsic)
         signature = types.void(unpacked, xb, x_tile, products, factors, offsets, dxt, xst, total, out, first, o0, stop)
         return signature, codegen
     return product
+
+
+def _offsets_term(k: Builder, x_tile: ir.Value, t: int, blocks: ir.Value) -> list[ir.Value]:
+    """The offsets' term of x tile `x_tile + t` for the 16 matrix rows: row r's vector of 16 x
+    rows is `sum over blocks of offsets[r, block] * xst[tile, block]` (arguments 5 and 7 of
+    `_plane_product`'s intrinsic). Summed once, before the superblocks, with the 16 rows' sums in
+    16 registers: summed a superblock at a time in the epilogue, each row's chain of FMAs waited
+    on the last, and Q4_K's products of 512 rows took 11.0 ms where they take 7.2 without it
+    (figures: docs/PERFORMANCE.md, NumPy engine: AMX tiles)."""
+    b = k.b
+    fma = k.fma(VF)
+    tile = b.add(x_tile, ir.Constant(I64, t))
+    sums = [cgutils.alloca_once_value(b, ir.Constant(VF, [0.0] * LANES)) for _ in range(ROWS)]
+    with cgutils.for_range(b, blocks) as loop:
+        x_sums = k.load_vector(k.data(7), b.mul(b.add(b.mul(tile, blocks), loop.index), ir.Constant(I64, LANES)), VF)
+        for r, cell in enumerate(sums):
+            offset = k.splat(b.load(k.at(k.row(5, ir.Constant(I64, r)), loop.index)))
+            b.store(b.call(fma, [x_sums, offset, b.load(cell)]), cell)
+    return [b.load(cell) for cell in sums]
 
 
 def _unpack_planes(recipe: Recipe):  # noqa: ANN202  (a Numba intrinsic)
@@ -299,7 +308,7 @@ def _lane_digits(k: Builder, row: ir.Value, at: ir.Value, size: ir.Value, lanes:
 
 
 @njit(nogil=True)
-def _config():  # noqa: ANN202
+def tile_config():  # noqa: ANN202
     """The 64 bytes `ldtilecfg` reads: palette 1, and all 8 tiles of 16 rows of 64 bytes (C: 16
     int32; A: a chunk's 64 values; B: 16 rows of 16 x rows' 4 bytes)."""
     config = np.zeros(64, np.uint8)
@@ -394,8 +403,8 @@ def _grouped_body(recipe: Recipe):  # noqa: ANN202  (a Numba function, inlined i
         spans[1:] = np.cumsum(stops - starts)
         bounds = even_work(spans, tiles, PARTS)
         for thread in prange(threads):
-            config = _config()
-            _configure(config)
+            config = tile_config()
+            configure_tiles(config)
             digits = np.empty((planes, ROWS, blocks), np.int8)
             unpacked = np.empty((planes * ROWS, columns), np.uint8)
             products = np.empty((2, 4, ROWS, LANES), np.int32)
@@ -416,7 +425,7 @@ def _grouped_body(recipe: Recipe):  # noqa: ANN202  (a Numba function, inlined i
                 for x_tile in range(bases[g], bases[g + 1], x_tiles):
                     first = starts[g] + (x_tile - bases[g]) * ROWS
                     product(unpacked, xb, x_tile, products, factors, offsets, dxt, xst, total, out, first, o0, stops[g])
-            _release()
+            release_tiles()
         return out
     return grouped
 
