@@ -51,6 +51,18 @@ def best_prefill(model: Path, tokens: int, rounds: int,
     return engine, ids, best_of(rounds, timed(lambda: engine.prefill(engine.new_cache(len(ids)), ids), 1), sides)
 
 
+def chunked_prompt(engine: CPUEngine, tokens: int) -> Callable[[], None]:
+    """A call that prefills a prompt of `tokens` ids into a new cache in 512-token passes, as the
+    server feeds a lone prompt."""
+    ids = [(7 * i) % engine.config.vocab_size for i in range(tokens)]
+
+    def run() -> None:
+        cache = engine.new_cache(tokens + 1)
+        for start in range(0, tokens, 512):
+            engine.prefill(cache, ids[start:start + 512])
+    return run
+
+
 def load_revision(revision: str, relative: str, directory: Path) -> ModuleType:
     """The module at `relative` (a path in the repository) as it is at git `revision`, loaded
     from `directory` as a module of its own, beside this checkout's."""

@@ -25,7 +25,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_rounds import best_of, timed  # noqa: E402  (scripts/, this script's own directory)
+from bench_rounds import best_of, chunked_prompt, timed  # noqa: E402  (scripts/, this script's own directory)
 
 from lmserve.engine_cpu import CPUEngine, amx_kernels, int8_kernels  # noqa: E402
 from lmserve.engine_cpu.encodings import encode  # noqa: E402
@@ -60,16 +60,6 @@ def grouped(qtype: GGMLQuantizationType) -> Callable[[], object]:
     return lambda: stack.times_grouped(x, experts, firsts)
 
 
-def prompt(engine: CPUEngine, tokens: int) -> Callable[[], object]:
-    ids = [(7 * i) % engine.config.vocab_size for i in range(tokens)]
-
-    def run() -> None:
-        cache = engine.new_cache(tokens + 1)
-        for start in range(0, tokens, 512):
-            engine.prefill(cache, ids[start:start + 512])
-    return run
-
-
 def report(label: str, best: dict[str, float], unit: float = 1e3) -> None:
     print(f"{label:40} {best['vnni'] * unit:10.2f} {best['tiles'] * unit:10.2f} {best['vnni'] / best['tiles']:11.2f}")
 
@@ -92,7 +82,7 @@ def main() -> None:
     if args.model:
         gguf = GGUFFile(args.model)
         engine = CPUEngine(gguf, ModelConfig.from_gguf(gguf), tune_threads=False)
-        best = best_of(args.rounds, timed(prompt(engine, args.prompt_tokens), 1), SIDES)
+        best = best_of(args.rounds, timed(chunked_prompt(engine, args.prompt_tokens), 1), SIDES)
         print(f"\n{gguf.path.name}, {args.prompt_tokens}-token prompt: vnni {args.prompt_tokens / best['vnni']:.0f} tok/s, "
               f"tiles {args.prompt_tokens / best['tiles']:.0f} tok/s, tiles/vnni {best['vnni'] / best['tiles']:.2f}")
 

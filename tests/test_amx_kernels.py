@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from lmserve.engine_cpu import CPUEngine, amx_kernels, int8_kernels
+from lmserve.engine_cpu import CPUEngine, amx_attention, amx_kernels, int8_kernels
 from lmserve.engine_cpu.int8_kernels import COLUMN_ROWS
 from lmserve.engine_cpu.qmatrix import SUPERBLOCK, WIDE_VALUES, ExpertStack
 from lmserve.model.config import ModelConfig
@@ -105,30 +105,24 @@ def test_products_past_a_verify_pass_take_the_tiles_unless_they_are_off(tiles: N
 def test_a_prompt_pass_gives_the_greedy_tokens_the_vnni_kernels_give(tiles: None,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """llama3's Q4_K_M fixture (Q4_K and Q6_K matrices): a 20-token prompt's rows take the tiles,
-    and its logits are the VNNI kernels' up to float32 sums, the same top token at every position."""
+    and its logits are the VNNI kernels' up to float32 sums, the same top token at every position.
+    Attention keeps BLAS both times: its tiles' rounding tips int8 activations' (their own tests:
+    tests/test_amx_attention.py)."""
+    monkeypatch.setattr(amx_attention, "takes", lambda *_: False)
     gguf = GGUFFile(Fixture("llama3", "Q4_K_M").path)
     engine = CPUEngine(gguf, ModelConfig.from_gguf(gguf), kv_type="f32", tune_threads=False)
     prompt = [(7 * i) % engine.config.vocab_size for i in range(20)]
-    calls = []
-    monkeypatch.setattr(amx_kernels, "grouped_times", lambda *a, f=amx_kernels.grouped_times: calls.append(1) or f(*a))
-
-    def logits() -> np.ndarray:
-        return engine.prefill(engine.new_cache(64), prompt, all_logits=True)
-
-    on = logits()
-    assert calls
-    monkeypatch.setenv(amx_kernels.ENV, "off")
-    off = logits()
+    on, off = prompt_logits_with_and_without_tiles(engine, prompt, amx_kernels, "grouped_times", monkeypatch)
     assert np.array_equal(on.argmax(-1), off.argmax(-1))
     assert np.abs(on - off).max() <= 1e-3 * np.abs(off).max()
 
 
 def test_the_banner_names_the_tiles_for_a_model_they_serve(tiles: None, smollm2_path) -> None:  # noqa: ANN001
-    """/health's device names the tiles for a model with K-quants (llama3's Q4_K_M fixture), not
-    for one they never run (SmolLM2's Q4_1)."""
+    """/health's device names the products' tiles for a model with K-quants (llama3's Q4_K_M
+    fixture), not for one they never run (SmolLM2's Q4_1)."""
     devices = [CPUEngine(gguf, ModelConfig.from_gguf(gguf), tune_threads=False).device
                for gguf in (GGUFFile(Fixture("llama3", "Q4_K_M").path), GGUFFile(smollm2_path))]
-    assert "AMX tiles" in devices[0] and "AMX tiles" not in devices[1]
+    assert "prompt chunks of K-quants" in devices[0] and "K-quants" not in devices[1]
 
 
 def test_a_tiles_setting_other_than_auto_or_off_is_refused_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,3 +131,15 @@ def test_a_tiles_setting_other_than_auto_or_off_is_refused_at_load(monkeypatch: 
     gguf = GGUFFile(Fixture("llama3", "Q4_K_M").path)
     with pytest.raises(ModelLoadError, match="LMSERVE_CPU_TILES must be auto or off, not 'of'"):
         CPUEngine(gguf, ModelConfig.from_gguf(gguf), tune_threads=False)
+
+
+def prompt_logits_with_and_without_tiles(engine: CPUEngine, prompt: list[int], module: object, name: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> tuple[np.ndarray, np.ndarray]:
+    """Every position's logits of `prompt` with the tiles on (`module.name`, the tiles' entry,
+    seen called) and with them off (amx_kernels.ENV)."""
+    calls, entry = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or entry(*a))
+    on = engine.prefill(engine.new_cache(64), prompt, all_logits=True)
+    assert calls
+    monkeypatch.setenv(amx_kernels.ENV, "off")
+    return on, engine.prefill(engine.new_cache(64), prompt, all_logits=True)

@@ -123,7 +123,9 @@ def test_a_prompts_passes_keep_a_small_scores_buffer_and_drop_a_large_one(smollm
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine keeps the attention scores' buffer from one pass for the next (a served prompt
     is a pass a chunk, and a new buffer's first layer wrote fresh pages), up to KEPT_SCRATCH
-    bytes only: a long prompt's scores are not held after it. The logits are the same either way."""
+    bytes only: a long prompt's scores are not held after it. The logits are the same either way.
+    (BLAS's passes: the AMX tiles' keep a row tile's scores in a buffer of each thread's own.)"""
+    monkeypatch.setenv("LMSERVE_CPU_TILES", "off")  # amx_kernels.ENV (which imports Numba)
     ids = list(range(100, 400))
     monkeypatch.setattr(engine_module, "FORWARD_CHUNK", 128)  # passes of 128, 128 and 44 rows
     largest = smollm2.config.n_heads * 128 * 256 * 4  # the second pass's scores

@@ -95,7 +95,10 @@ def test_batched_decode_equals_solo(family: str) -> None:
 @pytest.mark.parametrize("family", ["gemma3", "gpt-oss", "gemma4"])
 def test_decode_past_the_sliding_window_matches_prefill_and_reference(family: str) -> None:
     """Prefill 10 tokens (inside the 16-position window), then decode the other 54 one at a
-    time: each step sees only its window on the sliding layers, as the prefill's mask does."""
+    time: each step sees only its window on the sliding layers, as the prefill's mask does. Within
+    1e-4 of the logits' range: where AMX tiles take a prompt pass's attention, its products are
+    within about 1e-5 of float32's (lmserve/engine_cpu/amx_attention.py), a decode step's are
+    float32's."""
     e = engine(Fixture(family, "F16"))
     ids = token_ids(family)
     assert len(ids) > 3 * e.config.sliding_window
@@ -103,7 +106,7 @@ def test_decode_past_the_sliding_window_matches_prefill_and_reference(family: st
     c = e.new_cache(len(ids))
     stepped = [e.prefill(c, ids[:10])]
     stepped += [e.decode([c], [token])[0] for token in ids[10:]]
-    np.testing.assert_allclose(np.stack(stepped), whole[9:], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.stack(stepped), whole[9:], rtol=1e-4, atol=1e-4 * np.abs(whole).max())
     reference = references(family)["reference"]["top1"][9:]
     assert sum(a == b for a, b in zip(np.argmax(stepped, -1).tolist(), reference, strict=True)) >= len(reference) - 1
 

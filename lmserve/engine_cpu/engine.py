@@ -91,13 +91,13 @@ class CPUEngine(Engine[CPUCache]):
         self._threads: ThreadTuner | None = None
         self._halves = [decode_layer.NONE] * len(self.weights.layers)  # the layers' compiled decode halves
         self._scratch = ops.Scratch()  # the passes' attention scores, one pass after another
-        kind = "float32"
+        kind, tiled = "float32", []
         if quantized:
             kind = f"kernels on the file's quants, {'int8' if int8_kernels.ENABLED else 'float32'} activations"
             forms = kept_forms(self.weights)
             if int8_kernels.ENABLED and amx_kernels.enabled() and any(amx_kernels.recipe_for(*form) is not None
                                                                       for form in forms):
-                kind += " (prompt chunks of K-quants on AMX tiles)"
+                tiled.append("prompt chunks of K-quants")
             self.prepared = kernels.prepare(forms, stacked_forms(self.weights))
             blas, most = blas_threads(), kernels.most_threads()
 
@@ -112,6 +112,10 @@ class CPUEngine(Engine[CPUCache]):
             self._halves = [decode_layer.compiled_halves(layer, config) for layer in self.weights.layers]
             decode_layer.prepare(self._halves, self.kv_type)
         ops.prepare(self.kv_type, any(layer.experts is not None for layer in self.weights.layers))
+        if ops.prompt_attention_on_tiles(config.head_size(i) for i in config.attention_layers):
+            tiled.append("prompt attention")
+        if tiled:
+            kind += f" ({' and '.join(tiled)} on AMX tiles)"
         self.device = f"numpy, {kind} ({len(os.sched_getaffinity(0))} cpus)"
 
     # -- caches ------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import functools
 import importlib
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 
@@ -127,7 +127,8 @@ def prepare(kv_type: str, experts: bool) -> None:
     them from Numba's cache) without running them, for the argument types the passes give: every
     prompt's norms and softmax, the attention of a pass of several float32 caches (a decode step's
     rows are C-ordered views, a verify pass's strided ones) and a prompt's rotation into one, a
-    quantized cache's writer and readers (`kv_type`), a MoE's router and weighted sum (`experts`). Compiled
+    quantized cache's writer and readers (`kv_type`), a MoE's router and weighted sum (`experts`),
+    a prompt's attention on AMX tiles where they run. Compiled
     lazily, a fresh install's first prompt and first concurrent streams waited seconds for them."""
     norm = compiled("norm_kernel")
     if norm is None:
@@ -161,6 +162,7 @@ def prepare(kv_type: str, experts: bool) -> None:
                   (moe.add_weighted, (matrix, vector, ids, 0, matrix))]
     for function, arguments in calls:
         function.compile(tuple(numba.typeof(argument) for argument in arguments))
+    compiled("amx_attention").prepare()
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -300,7 +302,11 @@ def _attention_products(qg: np.ndarray, keys: np.ndarray, values: np.ndarray, n:
     for a prompt chunk, each run of CAUSAL_RUN positions multiplies only the keys some query of it
     sees, so the masked half of the chunk's products is mostly skipped; one softmax takes the
     whole chunk (it reads only the scores a query sees and zeroes the rest)."""
-    kv_heads, rows, _ = qg.shape
+    kv_heads, rows, head = qg.shape
+    tiles = compiled("amx_attention")
+    if tiles is not None and tiles.takes(n, head):
+        return tiles.attend(qg, keys, values, n, start, first, scale, window,
+                            NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32))
     group, seen = rows // n, keys.shape[1]
     runs = _visible_runs(n, start, first, window, seen)
     if len(runs) == 1:
@@ -327,6 +333,13 @@ def _visible_runs(n: int, start: int, first: int, window: int, seen: int) -> lis
         return [(0, n, 0, seen)]
     return [(lo, min(n, lo + CAUSAL_RUN), max(0, start + lo - window + 1 - first) if window else 0,
              start + min(n, lo + CAUSAL_RUN) - first) for lo in range(0, n, CAUSAL_RUN)]
+
+
+def prompt_attention_on_tiles(head_sizes: Iterable[int]) -> bool:
+    """Whether a prompt pass's attention runs on AMX tiles (`amx_attention.takes`) in some layer
+    of these head sizes: what the banner and /health name."""
+    tiles = compiled("amx_attention")
+    return tiles is not None and any(tiles.takes(FEW_QUERY_ROWS + 1, size) for size in head_sizes)
 
 
 def reads_blocks(query_rows: int) -> bool:

@@ -81,6 +81,15 @@ def _scaled_peak(typingctx, row, scale):  # noqa: ANN001, ANN202, ARG001
 def softmax_row(row, scale, sink, has_sink):  # noqa: ANN001, ANN201
     """In place: the softmax of `row` times `scale`, the logit `sink` joining its denominator
     (and nothing else) when `has_sink`."""
+    total = exponentials(row, scale, sink, has_sink)
+    for c in range(len(row)):
+        row[c] /= total
+
+
+@njit(fastmath=_FAST, inline="always", nogil=True)
+def exponentials(row, scale, sink, has_sink):  # noqa: ANN001, ANN201
+    """In place: `row` times `scale` less its largest, exponentiated (the softmax before its
+    division); returns their sum, with the sink's term where `has_sink`."""
     peak = _scaled_peak(row, scale)
     for c in range(len(row) // LANES * LANES, len(row)):
         scaled = row[c] * scale
@@ -93,8 +102,7 @@ def softmax_row(row, scale, sink, has_sink):  # noqa: ANN001, ANN201
         e = _exp(row[c] - peak)
         row[c] = e
         total += e
-    for c in range(len(row)):
-        row[c] /= total
+    return total
 
 
 @njit(fastmath=_FAST, error_model="numpy", cache=True, nogil=True)
