@@ -9,9 +9,9 @@ float's 24, so each operand is split into a bfloat16 `hi` and the bfloat16 of wh
 `lo * lo` and the rounding of `lo`, about 2^-16 of the product, where one bfloat16 product would
 drop 2^-8 (and the float16 keys and queries of llama.cpp's CPU attention 2^-11).
 
-A thread takes 16 query rows (a row tile) of a KV head at a time: their scores against the keys
-some row of them sees (in steps of 32 positions: the causal triangle's masked half skipped at a
-row tile's grain) into a buffer of its own, each row's largest scaled score, its exponentials
+A thread takes 4 row tiles of 16 query rows of a KV head at a time (each B tile loaded once for
+all four): their scores against the keys some row of them sees (in steps of 32 positions: the
+causal triangle's masked half skipped at that grain) into a buffer of its own, each row's largest scaled score, its exponentials
 split into bfloat16 parts in one IR pass (`_weights`; keys a row does not see weigh exactly 0),
 those times the values, and each row divided by its sum. The softmax is `softmax_kernel`'s
 arithmetic (Cephes' exponential), its division moved after the mix: a row's head-size sums
@@ -66,6 +66,8 @@ COLUMNS = 16  # a C tile's columns: positions (scores) or head dimensions (mix)
 PAIRS = 32  # bfloat16 values an A tile's row holds: a step of the products' inner dimension
 TILE_BYTES = 1024
 HEAD_MULTIPLE = 64  # head sizes taken: whole steps of the scores' inner dimension and of 4 C tiles
+BLOCK_TILES = 4  # row tiles a thread takes at once: B read from memory once for 64 query rows
+MIX_STEPS = 32  # the mix's steps of 32 positions a row block takes before the next: a pair's B, 128 KiB, stays in L2
 _FEATURE = "amx-bf16"
 _CS, _A_HI, _A_LO, _BS = (0, 1), 2, 3, ((4, 5), (6, 7))  # tile numbers: C pair, A's hi and lo, B pair's hi and lo
 
@@ -85,27 +87,40 @@ def takes(query_rows: int, head_size: int) -> bool:
 
 
 @intrinsic
-def _tile_products(typingctx, a, b, dest, first_tile, tiles, first_step, steps):  # noqa: ANN001, ANN202, ARG001
-    """C tiles `first_tile` to `first_tile + tiles` (an even count) of B (`b [2, tiles of B,
-    steps of B, 512]`, its hi then its lo) times the 16 rows of `a` (`[32, K]` uint16, any row
-    stride: the hi rows, then the lo rows), each over B's steps `first_step` on (`steps` of 32 of
-    A's columns from 0), stored as float32 into `dest` (`[16, >= 16 * tiles]`, any row stride)
-    at columns 16 t on. Two C tiles at a time: one C's sums wait for its previous product, and a
-    pair's alternate."""
+def _tile_products(typingctx, a, b, dest, first_tile, tiles, first_step, steps, accumulate):  # noqa: ANN001, ANN202, ARG001
+    """For each row tile r of `a` (`[row tiles, 32, K]` uint16, any strides: a tile's 16 hi rows,
+    then its 16 lo rows), C tiles `first_tile` to `first_tile + tiles` (an even count) of B (`b
+    [2, tiles of B, steps of B, 512]`, its hi then its lo) times it, over B's steps `first_step`
+    on (`steps` of 32 of A's columns from 0), into `dest` (`[16 x row tiles, >= 16 x tiles]`
+    float32, any row stride) at rows 16 r, columns 16 t: stored, or added to what is there
+    (`accumulate`). Two C tiles at a time (one C's sums wait for its previous product; a pair's
+    alternate), each pair of B tiles for every row tile in turn: B comes from memory once for
+    all of them, where one row tile at a time streamed a long pass's keys and values from L3 once
+    for 16 rows."""
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
         b_ = builder
         tile = functools.partial(ir.Constant, I8)
         arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in range(3)]
-        a_stride = cgutils.unpack_tuple(b_, arrays[0].strides, 2)[0]
+        row_tiles = cgutils.unpack_tuple(b_, arrays[0].shape, 3)[0]
+        tile_stride, a_stride = cgutils.unpack_tuple(b_, arrays[0].strides, 3)[:2]
         b_tiles, b_steps = cgutils.unpack_tuple(b_, arrays[1].shape, 4)[1:3]
         dest_stride = cgutils.unpack_tuple(b_, arrays[2].strides, 2)[0]
         load = ("llvm.x86.tileloadd64", [I8, PTR, I64])
-        with cgutils.for_range(b_, b_.udiv(args[4], ir.Constant(I64, 2))) as pair_loop:
+        with cgutils.for_range(b_, b_.udiv(args[4], ir.Constant(I64, 2))) as pair_loop, \
+                cgutils.for_range(b_, row_tiles) as r_loop:
             t0 = b_.mul(pair_loop.index, ir.Constant(I64, 2))
-            for c in _CS:
-                call_void(b_, "llvm.x86.tilezero", [I8], [tile(c)])
+            a_first = b_.mul(r_loop.index, tile_stride)
+            c_at = [b_.add(b_.mul(b_.mul(r_loop.index, ir.Constant(I64, ROWS)), dest_stride),
+                           b_.mul(b_.add(t0, ir.Constant(I64, k)), ir.Constant(I64, 4 * COLUMNS))) for k in range(2)]
+            with b_.if_else(b_.icmp_unsigned("!=", args[7], ir.Constant(args[7].type, 0))) as (added, stored):
+                with added:
+                    for c, at in zip(_CS, c_at, strict=True):
+                        call_void(b_, *load, [tile(c), byte_address(context, b_, signature, args, 2, at), dest_stride])
+                with stored:
+                    for c in _CS:
+                        call_void(b_, "llvm.x86.tilezero", [I8], [tile(c)])
             with cgutils.for_range(b_, args[6]) as s_loop:
-                a_at = b_.mul(s_loop.index, ir.Constant(I64, 2 * PAIRS))
+                a_at = b_.add(a_first, b_.mul(s_loop.index, ir.Constant(I64, 2 * PAIRS)))
                 lo_at = b_.add(a_at, b_.mul(a_stride, ir.Constant(I64, ROWS)))
                 for number, at in ((_A_HI, a_at), (_A_LO, lo_at)):
                     call_void(b_, *load, [tile(number), byte_address(context, b_, signature, args, 0, at), a_stride])
@@ -120,12 +135,11 @@ def _tile_products(typingctx, a, b, dest, first_tile, tiles, first_step, steps):
                 for left, right in ((_A_LO, 0), (_A_HI, 1), (_A_HI, 0)):  # the small terms first
                     for c, numbers in zip(_CS, _BS, strict=True):
                         call_void(b_, "llvm.x86.tdpbf16ps", [I8] * 3, [tile(c), tile(left), tile(numbers[right])])
-            for k, c in enumerate(_CS):
-                at = b_.mul(b_.add(t0, ir.Constant(I64, k)), ir.Constant(I64, 4 * COLUMNS))
+            for c, at in zip(_CS, c_at, strict=True):
                 call_void(b_, "llvm.x86.tilestored64", [I8, PTR, I64],
                           [tile(c), byte_address(context, b_, signature, args, 2, at), dest_stride])
         return context.get_dummy_value()
-    return types.void(a, b, dest, first_tile, tiles, first_step, steps), codegen
+    return types.void(a, b, dest, first_tile, tiles, first_step, steps, accumulate), codegen
 
 
 def _bf16_bits(b: ir.IRBuilder, values: ir.Value) -> tuple[ir.Value, ir.Value]:
@@ -228,40 +242,43 @@ def _pack(rows, keys):  # noqa: ANN001, ANN202
 def _attend(qg, keys, values, n, start, first, scale, window, sinks, out, threads):  # noqa: ANN001, ANN202
     """`out [kv_heads, rows, head]`: attention of `qg [kv_heads, rows, head]` (query row i at
     position `start + i // group`) over `keys` and `values` `[kv_heads, seen, head]` (key column
-    c at position `first + c`), all three given as their bits. A row tile at a time: its scores
-    in a buffer of the thread's own, exponentiated as `ops`' softmax does (`softmax_kernel.
-    exponentials`), split into bfloat16 parts, times the values, and divided by their sums."""
+    c at position `first + c`), all three given as their bits. BLOCK_TILES row tiles at a time:
+    their scores in a buffer of the thread's own, each row's exponentials (`softmax_kernel`'s)
+    split into bfloat16 parts, times the values, and divided by their sums."""
     kv_heads, rows, head = qg.shape
     seen = keys.shape[1]
     group = rows // n
     keys_packed, values_packed = _pack(keys, True), _pack(values, False)
     width = -(-seen // PAIRS) * PAIRS
-    row_tiles = -(-rows // ROWS)
+    block_rows = BLOCK_TILES * ROWS
+    blocks = -(-rows // block_rows)
     for thread in prange(threads):
         configure_tiles(tile_config())
-        a = np.zeros((2 * ROWS, max(head, width)), np.uint16)
+        query = np.zeros((BLOCK_TILES, 2 * ROWS, head), np.uint16)
+        a = np.zeros((BLOCK_TILES, 2 * ROWS, width), np.uint16)
         whole, rest = np.empty(head, np.uint32), np.empty(head, np.uint32)
-        weights = np.zeros((ROWS, width), np.float32)
-        mixed = np.empty((ROWS, head), np.float32)
-        totals = np.empty(ROWS, np.float32)
-        for unit in range(thread, kv_heads * row_tiles, threads):  # interleaved: later tiles see more keys
-            h, t = unit // row_tiles, unit % row_tiles
-            r0 = t * ROWS
-            filled = min(ROWS, rows - r0)
-            query = a[:, :head]
-            for r in range(ROWS):
+        weights = np.zeros((block_rows, width), np.float32)
+        mixed = np.empty((block_rows, head), np.float32)
+        totals = np.empty(block_rows, np.float32)
+        for unit in range(thread, kv_heads * blocks, threads):  # interleaved: later blocks see more keys
+            h, r0 = unit // blocks, unit % blocks * block_rows
+            filled = min(block_rows, rows - r0)
+            tiles = -(-filled // ROWS)
+            for r in range(tiles * ROWS):
+                t, i = r // ROWS, r % ROWS
                 if r < filled:
-                    _split(qg[h, r0 + r], query[r], query[ROWS + r], whole, rest)
+                    _split(qg[h, r0 + r], query[t, i], query[t, ROWS + i], whole, rest)
                 else:
-                    query[r] = 0
-                    query[ROWS + r] = 0
+                    query[t, i] = 0
+                    query[t, ROWS + i] = 0
             last = start + (r0 + filled - 1) // group - first + 1  # one past the last column a row sees
             begin = max(0, start + r0 // group - window + 1 - first) if window else 0
             step0, step1 = begin // PAIRS, -(-last // PAIRS)
             c0, c1 = step0 * PAIRS, step1 * PAIRS
-            tile0 = c0 // COLUMNS
-            _tile_products(query, keys_packed[h], weights[:, c0:], tile0, (c1 - c0) // COLUMNS, 0, head // PAIRS)
-            for r in range(ROWS):
+            _tile_products(query[:tiles], keys_packed[h], weights[:, c0:], c0 // COLUMNS, (c1 - c0) // COLUMNS, 0,
+                           head // PAIRS, False)
+            for r in range(tiles * ROWS):
+                t, i = r // ROWS, r % ROWS
                 row = weights[r, c0:c1]
                 if r < filled:
                     position = start + (r0 + r) // group
@@ -273,17 +290,18 @@ def _attend(qg, keys, values, n, start, first, scale, window, sinks, out, thread
                     sink = sinks[h * group + (r0 + r) % group] if len(sinks) else np.float32(-np.inf)
                     if len(sinks):
                         peak = max(peak, sink)
-                    totals[r] = _weights(row, peak, a[r, :c1 - c0], a[ROWS + r, :c1 - c0])
+                    totals[r] = _weights(row, peak, a[t, i, :c1 - c0], a[t, ROWS + i, :c1 - c0])
                     if len(sinks):
                         totals[r] += _exp(sink - peak)
                 else:
-                    a[r, :c1 - c0] = 0
-                    a[ROWS + r, :c1 - c0] = 0
-            target = out[h, r0:r0 + ROWS] if filled == ROWS else mixed
-            _tile_products(a, values_packed[h], target, 0, head // COLUMNS, step0, step1 - step0)
-            for r in range(filled):  # the softmax's division, a row's 16 x head sums rather than its weights
+                    a[t, i, :c1 - c0] = 0
+                    a[t, ROWS + i, :c1 - c0] = 0
+            for step in range(step0, step1, MIX_STEPS):
+                _tile_products(a[:tiles, :, (step - step0) * PAIRS:], values_packed[h], mixed, 0, head // COLUMNS, step,
+                               min(MIX_STEPS, step1 - step), step > step0)
+            for r in range(filled):  # the softmax's division, a row's head-size sums rather than its weights
                 for d in range(head):
-                    out[h, r0 + r, d] = target[r, d] / totals[r]
+                    out[h, r0 + r, d] = mixed[r, d] / totals[r]
         release_tiles()
 
 
