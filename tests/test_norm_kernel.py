@@ -42,3 +42,22 @@ def test_a_row_that_is_not_finite_gives_nan_and_leaves_the_others_alone(monkeypa
         numpy = ops.rms_norm(x, weight, 1e-5)
     assert np.array_equal(compiled, numpy, equal_nan=True)
     assert np.isnan(compiled[1:3]).any(axis=1).all() and np.isfinite(compiled[[0, 3]]).all()
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_a_prompt_passs_norms_and_swiglu_split_between_threads_have_the_bits_of_one(
+        parts: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt pass's rows (past THREADED_ROWS values) run a range on each CPU (`ops.in_parts`);
+    each row comes out as in one call."""
+    rng = np.random.default_rng(parts)
+    x = rng.standard_normal((37, 576)).astype(np.float32)
+    weight = rng.standard_normal(576).astype(np.float32)
+    whole = ops.rms_norm(x, weight, 1e-5), ops.silu_mul(x)
+    calls = []
+    monkeypatch.setattr(ops, "THREADED_ROWS", 1)
+    monkeypatch.setattr(ops, "_cpus", lambda: parts)
+    monkeypatch.setattr(ops, "_helpers", lambda f=ops._helpers: calls.append(1) or f())
+    split = ops.rms_norm(x, weight, 1e-5), ops.silu_mul(x)
+    assert len(calls) == 2 * (parts - 1)
+    for one, many in zip(whole, split, strict=True):
+        assert np.array_equal(one, many)

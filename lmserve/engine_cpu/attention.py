@@ -84,13 +84,15 @@ def _attend_float_cache(heads: np.ndarray, v: np.ndarray, a: AttentionWeights, s
                         out: np.ndarray) -> None:
     """One float32 cache's rows (`heads` `[n, heads, head_dim]`, `v`) attended into `out` `[n,
     heads * head_dim]`: rotated, written into the cache and laid out for the products in one
-    compiled pass (`rope_rows`), where NumPy took four passes for the rotation, two for the
-    cache's writes and one more for the layout."""
+    compiled pass (`rope_rows`, a prompt pass's rows split between the CPUs), where NumPy took
+    four passes for the rotation, two for the cache's writes and one more for the layout."""
     nq, nkv, hd = a.heads
     n, group = len(heads), nq // nkv
     keys, values = s.cache.k[layer], s.cache.v[layer]
     qg = np.empty((nkv, n, group, hd), np.float32)
-    ops.compiled("row_attention_kernel").rope_rows(heads[:, :nq + nkv], v, *rope, keys, values, s.start, qg, True)
+    rotate, qk, (cos, sin) = ops.compiled("row_attention_kernel").rope_rows, heads[:, :nq + nkv], rope
+    ops.in_parts(lambda lo, hi: rotate(qk[lo:hi], v[lo:hi], cos[lo:hi], sin[lo:hi], keys, values, s.start + lo,
+                                       qg[:, lo:hi], True), n, qk.size, ops.THREADED_ROWS)
     end = s.start + n
     first = max(0, s.start - a.window + 1) if a.window else 0  # only the positions some row sees
     mixed = ops.grouped_attention(qg.reshape(nkv, n * group, hd), n, keys[:, first:end], values[:, first:end],

@@ -58,6 +58,10 @@ CAUSAL_RUN = 128
 # split between the CPUs, a range of rows on each (`_softmax`; figures: docs/PERFORMANCE.md,
 # measurements behind code choices).
 THREADED_SCORES = 1 << 20
+# A prompt pass's norms and SwiGLU (a row-wise compiled loop over at least this many values, a
+# fraction of a millisecond) are split between the CPUs the same way (`in_parts`; figures:
+# docs/PERFORMANCE.md, measurements behind code choices).
+THREADED_ROWS = 1 << 17
 
 
 def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
@@ -84,7 +88,8 @@ def linear(x: np.ndarray, w: Matrix) -> np.ndarray:
 
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
     """RMSNorm over the last axis: `x / sqrt(mean(x^2) + eps) * weight` (no weight: Gemma 4's
-    value norm). Compiled where Numba is (`norm_kernel`, the same bits), else written out in
+    value norm). Compiled where Numba is (`norm_kernel`, the same bits; a prompt pass's rows split
+    between the CPUs, `in_parts`), else written out in
     place (np.mean's Python wrapper costs more than the arithmetic on one row); the same bits as
     `np.mean(np.square(x), -1, dtype=float32)`: float32 sum, then the division by the count
     (np.mean divides in float64 and rounds, which for one division is the same)."""
@@ -92,7 +97,8 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     if compiled is not None:
         rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
         out = np.empty(rows.shape, np.float32)
-        compiled(rows, NO_WEIGHT if weight is None else weight, np.float32(eps), out)
+        weight, eps = NO_WEIGHT if weight is None else weight, np.float32(eps)
+        in_parts(lambda lo, hi: compiled(rows[lo:hi], weight, eps, out[lo:hi]), len(rows), rows.size, THREADED_ROWS)
         return out.reshape(x.shape)
     scale = np.add.reduce(np.square(x), axis=-1, keepdims=True)
     scale /= np.float32(x.shape[-1])
@@ -141,9 +147,10 @@ def prepare(kv_type: str, experts: bool) -> None:
         (compiled("softmax_kernel").causal_softmax, (cube, 0, 0, 0, np.float32(0), 0, vector, 0, 0))]
     strided = np.empty((2, 2, 1), np.float32)[:, :1]
     rows = compiled("row_attention_kernel")
+    part = np.empty((2, 2, 1, 1), np.float32)[:, :1]  # a part of a pass's query rows laid out by KV head
     for qk, v in ((cube, cube), (strided, strided), (strided, cube)):  # (strided, C): Gemma 4's normed values
-        calls += [(rows.attend_rows, (qk, v, cube, cube, cube, cube, 0, np.float32(0), 0, NO_SINKS, cube)),
-                  (rows.rope_rows, (qk, v, cube, cube, cube, cube, 0, np.empty((1, 1, 1, 1), np.float32), True))]
+        calls += [(rows.attend_rows, (qk, v, cube, cube, cube, cube, 0, np.float32(0), 0, NO_SINKS, cube))]
+        calls += [(rows.rope_rows, (qk, v, cube, cube, cube, cube, 0, q, True)) for q in (part[:1], part)]
     blocks, stored = compiled("block_attention_kernel"), np.empty((1, 1, 1), np.uint8)
     if kv_type in blocks.KINDS:
         for qk, v in ((cube, cube), (strided, strided), (strided, cube)):
@@ -177,14 +184,14 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     """SwiGLU: silu(gate) * up for `[..., 2 * ffn]` rows of gate then up, by
     `decode_layer_kernel.silu_mul` where Numba is (the compiled FFN half's too, so every path
-    gives a row the same bits), else in NumPy in one buffer, by the tanh form of the sigmoid,
+    gives a row the same bits; a prompt pass's rows split between the CPUs, `in_parts`), else in NumPy in one buffer, by the tanh form of the sigmoid,
     which never overflows, so large negative gates raise no warnings."""
     half = gate_up.shape[-1] // 2
     kernel = compiled("decode_layer_kernel")
     if kernel is not None:
         rows = np.ascontiguousarray(gate_up, np.float32).reshape(-1, 2 * half)
         out = np.empty((len(rows), half), np.float32)
-        kernel.silu_mul(rows, out)
+        in_parts(lambda lo, hi: kernel.silu_mul(rows[lo:hi], out[lo:hi]), len(rows), rows.size, THREADED_ROWS)
         return out.reshape(*gate_up.shape[:-1], half)
     gate, up = gate_up[..., :half], gate_up[..., half:]
     out = np.multiply(gate, np.float32(0.5))
@@ -461,24 +468,30 @@ def _softmax(scores: np.ndarray, n: int, start: int, first: int, scale: float, w
         return
     run = functools.partial(compiled, scores, n, start, first, np.float32(scale), window,
                             NO_SINKS if sinks is None else np.ascontiguousarray(sinks, np.float32))
-    rows = scores.shape[0] * scores.shape[1]
-    parts = min(rows, scores.size // THREADED_SCORES)
+    in_parts(run, scores.shape[0] * scores.shape[1], scores.size, THREADED_SCORES)
+
+
+def in_parts(run: Callable[[int, int], None], rows: int, values: int, threshold: int) -> None:
+    """`run(lo, hi)` over rows `0:rows`: a range on each CPU once `values` reach `threshold` (on
+    plain threads, which block rather than spin while they wait: with another process on a core
+    the split costs nothing), else in one call on this thread. `run` must not call this itself."""
+    parts = min(rows, values // threshold)
     if parts > 1:  # asked only here: the system call cost a decode step 1% (30 layers)
         parts = min(parts, _cpus())
     if parts <= 1:  # a decode step's: no hand-off
         run(0, rows)
         return
     bounds = [rows * i // parts for i in range(parts + 1)]
-    helped = [_softmax_helpers().submit(run, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:], strict=True)]
+    helped = [_helpers().submit(run, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:], strict=True)]
     run(0, bounds[1])
     for part in helped:
         part.result()
 
 
 @functools.cache
-def _softmax_helpers() -> ThreadPoolExecutor:
-    """The threads that run the other parts of a split softmax."""
-    return ThreadPoolExecutor(max(1, _cpus() - 1), thread_name_prefix="lmserve-softmax")
+def _helpers() -> ThreadPoolExecutor:
+    """The threads that run the other parts of a split kernel (`in_parts`)."""
+    return ThreadPoolExecutor(max(1, _cpus() - 1), thread_name_prefix="lmserve-parts")
 
 
 def _compiled_softmax() -> Callable[..., None] | None:
