@@ -87,6 +87,17 @@ def test_small_groups_keep_the_vnni_kernels_one_row_bits(qtype: GGMLQuantization
             assert np.array_equal(got[rows], amx_kernels.times(x[rows], *stack[expert].arrays))
 
 
+def test_a_grouped_call_reads_a_moes_rows_where_they_are(tiles: None) -> None:
+    """A MoE's grouped rows given as indices into its prompt rows (each row once for each of its
+    experts, as routing orders them) get the bits of the gathered copy's, small groups too."""
+    experts, rows_each = 6, 40
+    stack = ExpertStack(encoded_matrix(T.Q4_K, experts * rows_each, 512)[0], experts)
+    x = np.random.default_rng(9).standard_normal((30, 512)).astype(np.float32)
+    rows = np.random.default_rng(10).permutation(np.repeat(np.arange(30), 3))  # 90 grouped rows
+    groups, firsts = np.array([4, 0, 2, 5]), np.array([0, 3, 33, 49, 90])
+    assert np.array_equal(stack.times_grouped(x, groups, firsts, rows), stack.times_grouped(x[rows], groups, firsts))
+
+
 def test_products_past_a_verify_pass_take_the_tiles_unless_they_are_off(tiles: None,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt chunk's product with a large Q4_K matrix runs on the tiles; a verify pass's rows

@@ -151,9 +151,10 @@ def test_moe_decode_reads_only_the_chosen_experts(family: str, monkeypatch: pyte
         read.add(data(w))
         return real(x, w)
 
-    def times_grouped(stack: ExpertStack, x: np.ndarray, experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
+    def times_grouped(stack: ExpertStack, x: np.ndarray, experts: np.ndarray, firsts: np.ndarray,
+                      rows: np.ndarray | None = None) -> np.ndarray:
         read.update(data(stack[e]) for e in experts.tolist())
-        return real_grouped(stack, x, experts, firsts)
+        return real_grouped(stack, x, experts, firsts, rows)
 
     monkeypatch.setattr(ops_module, "linear", linear)
     monkeypatch.setattr(ExpertStack, "times_grouped", times_grouped)

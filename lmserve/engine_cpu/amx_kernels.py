@@ -320,9 +320,9 @@ def tile_config():  # noqa: ANN202
 
 
 @njit(parallel=True, nogil=True)
-def _pack(xq, dx, xsum, starts, stops, bases, xb, dxt, xst):  # noqa: ANN001, ANN202
-    """Each group's x rows `starts[g]:stops[g]` as B tiles from tile `bases[g]` on (16 rows a
-    tile, past the group's last row zeros): `xb [tiles, chunks, 16, 16]` int32, 4 bytes of each
+def _pack(xq, dx, xsum, rows, starts, stops, bases, xb, dxt, xst):  # noqa: ANN001, ANN202
+    """Each group's rows `starts[g]:stops[g]` (x row `rows[r]` for row r) as B tiles from tile
+    `bases[g]` on (16 rows a tile, past the group's last row zeros): `xb [tiles, chunks, 16, 16]` int32, 4 bytes of each
     row a lane; their dx and block sums likewise as `dxt` and `xst`. A tile at a time, on the
     kernels' threads."""
     words = xq.view(np.int32)
@@ -332,8 +332,8 @@ def _pack(xq, dx, xsum, starts, stops, bases, xb, dxt, xst):  # noqa: ANN001, AN
         g = groups[tile]
         first = starts[g] + (tile - bases[g]) * ROWS
         for lane in range(ROWS):
-            r = first + lane
-            if r < stops[g]:
+            if first + lane < stops[g]:
+                r = rows[first + lane]
                 for c in range(xb.shape[1]):
                     for i in range(per_chunk):
                         xb[tile, c, i, lane] = words[r, c * per_chunk + i]
@@ -375,15 +375,16 @@ def _fill_digits(scale, o0, digits, signed, bits):  # noqa: ANN001, ANN202
 
 
 def _grouped_body(recipe: Recipe):  # noqa: ANN202  (a Numba function, inlined into `_grouped_by`'s)
-    """The grouped product by `recipe`'s planes: rows `starts[g]:stops[g]` of x times matrix
-    `experts[g]` of the stack q into `out`, on `threads` threads (each with its buffers and tile
+    """The grouped product by `recipe`'s planes: rows `starts[g]:stops[g]` (x's rows `rows[r]`,
+    each rounded to int8 once however many groups take it) times matrix `experts[g]` of the
+    stack q into `out`, on `threads` threads (each with its buffers and tile
     configuration once, for a run of the units: a group's 16 matrix rows each)."""
     product, unpack = _plane_product(recipe), _unpack_planes(recipe)
     x_tiles, planes, signed, with_offsets = recipe.x_tiles, recipe.planes, recipe.signed, recipe.offsets
     bits = recipe.weights[1].bit_length() - 1
 
     @njit(inline="always", nogil=True)
-    def grouped(x, q, scale, offset, supers, experts, starts, stops, out, threads):  # noqa: ANN001, ANN202
+    def grouped(x, rows, q, scale, offset, supers, experts, starts, stops, out, threads):  # noqa: ANN001, ANN202
         columns = x.shape[1]
         size = columns // scale.shape[2]
         per = SUPERBLOCK // size
@@ -396,7 +397,7 @@ def _grouped_body(recipe: Recipe):  # noqa: ANN202  (a Numba function, inlined i
         xb = np.empty((bases[groups], columns // CHUNK, CHUNK // 4, LANES), np.int32)
         dxt = np.empty((bases[groups], superblocks, LANES), np.float32)
         xst = np.empty((bases[groups], blocks, LANES), np.float32)
-        _pack(xq, dx, xsum, starts, stops, bases, xb, dxt, xst)
+        _pack(xq, dx, xsum, rows, starts, stops, bases, xb, dxt, xst)
         rows = q.shape[1]
         tiles = -(-rows // ROWS)
         spans = np.zeros(groups + 1, np.int64)
@@ -437,18 +438,18 @@ _nibble_body, _five_bit_body, _six_bit_body = (_grouped_body(recipe) for recipe 
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _grouped_nibbles(x, q, scale, offset, supers, experts, starts, stops, out, threads):  # noqa: ANN001, ANN202
-    return _nibble_body(x, q, scale, offset, supers, experts, starts, stops, out, threads)
+def _grouped_nibbles(x, rows, q, scale, offset, supers, experts, starts, stops, out, threads):  # noqa: ANN001, ANN202
+    return _nibble_body(x, rows, q, scale, offset, supers, experts, starts, stops, out, threads)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _grouped_five_bits(x, q, scale, offset, supers, experts, starts, stops, out, threads):  # noqa: ANN001, ANN202
-    return _five_bit_body(x, q, scale, offset, supers, experts, starts, stops, out, threads)
+def _grouped_five_bits(x, rows, q, scale, offset, supers, experts, starts, stops, out, threads):  # noqa: ANN001, ANN202
+    return _five_bit_body(x, rows, q, scale, offset, supers, experts, starts, stops, out, threads)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _grouped_six_bits(x, q, scale, offset, supers, experts, starts, stops, out, threads):  # noqa: ANN001, ANN202
-    return _six_bit_body(x, q, scale, offset, supers, experts, starts, stops, out, threads)
+def _grouped_six_bits(x, rows, q, scale, offset, supers, experts, starts, stops, out, threads):  # noqa: ANN001, ANN202
+    return _six_bit_body(x, rows, q, scale, offset, supers, experts, starts, stops, out, threads)
 
 
 _GROUPED = (_grouped_nibbles, _grouped_five_bits, _grouped_six_bits)  # by recipe, RECIPES' order
@@ -493,20 +494,23 @@ def takes(q: np.ndarray, scale: np.ndarray, rows: int) -> bool:
 
 
 def grouped_times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray,
-                  experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
+                  experts: np.ndarray, firsts: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
     """`int8_kernels.grouped_times` with the groups of more than COLUMN_ROWS rows on the tiles;
-    the others keep `int8_kernels`' kernels, whose bits are a decode step's."""
+    the others keep `int8_kernels`' kernels, whose bits are a decode step's. Grouped row r is x's
+    row `rows[r]` (None: row r): a MoE's experts read its prompt rows where they are, each rounded
+    to int8 once, rather than a copy of each row for each of its experts."""
     if not available():  # the tiles' instructions would end the process (SIGILL)
         raise RuntimeError("AMX tiles are not available to this process")
+    rows = np.arange(firsts[-1]) if rows is None else rows
     sizes = np.diff(firsts)
     large = sizes > COLUMN_ROWS
-    out = np.empty((len(x), q.shape[1]), np.float32)
-    _GROUPED[recipe_of(q, scale)](x, q, scale, offset, supers, experts[large], firsts[:-1][large], firsts[1:][large], out,
-                                  get_num_threads())
+    out = np.empty((len(rows), q.shape[1]), np.float32)
+    _GROUPED[recipe_of(q, scale)](x, rows, q, scale, offset, supers, experts[large], firsts[:-1][large], firsts[1:][large],
+                                  out, get_num_threads())
     if not large.all():
-        rows = np.concatenate([np.arange(a, b) for a, b in zip(firsts[:-1][~large], firsts[1:][~large], strict=True)])
+        small = np.concatenate([np.arange(a, b) for a, b in zip(firsts[:-1][~large], firsts[1:][~large], strict=True)])
         small_firsts = np.concatenate([[0], np.cumsum(sizes[~large])])
-        out[rows] = int8_kernels.grouped_times(x[rows], q, scale, offset, supers, experts[~large], small_firsts)
+        out[small] = int8_kernels.grouped_times(x[rows[small]], q, scale, offset, supers, experts[~large], small_firsts)
     return out
 
 
@@ -526,4 +530,4 @@ def prepare(forms: Iterable[tuple[np.dtype, np.dtype, int]]) -> None:
         kind = recipe_for(values, scales, block)
         if kind is not None and int8_kernels.takes(values):
             q, s = (types.Array(numba.from_dtype(dtype), 3, "C") for dtype in (values, scales))
-            _GROUPED[kind].compile((matrix, q, s, s, cube, ids, ids, ids, matrix, types.int64))
+            _GROUPED[kind].compile((matrix, ids, q, s, s, cube, ids, ids, ids, matrix, types.int64))

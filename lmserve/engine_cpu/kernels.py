@@ -181,12 +181,15 @@ def times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, s
 
 
 def grouped_times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray,
-                  experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
-    """Rows `firsts[g]:firsts[g + 1]` of `x [n, in]` times matrix `experts[g]` of the stack
-    `[matrices, out, in]` transposed: `[n, out]`, each row's values the bits `times` gives it."""
+                  experts: np.ndarray, firsts: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """Grouped rows `firsts[g]:firsts[g + 1]` times matrix `experts[g]` of the stack `[matrices,
+    out, in]` transposed: `[grouped rows, out]`, each row's values the bits `times` gives it.
+    Grouped row r is row `rows[r]` of `x [n, in]` (None: row r; the AMX tiles read it there, the
+    other kernels a gathered copy)."""
     # A decode step's few rows skip the largest group's count (a call a layer a step).
-    if len(x) > int8_kernels.COLUMN_ROWS and amx_kernels.takes(q, scale, int(np.max(np.diff(firsts)))):
-        return amx_kernels.grouped_times(x, q, scale, offset, supers, experts, firsts)
+    if firsts[-1] > int8_kernels.COLUMN_ROWS and amx_kernels.takes(q, scale, int(np.max(np.diff(firsts)))):
+        return amx_kernels.grouped_times(x, q, scale, offset, supers, experts, firsts, rows)
+    x = x if rows is None else x[rows]
     if int8_kernels.takes(q.dtype):
         return int8_kernels.grouped_times(x, q, scale, offset, supers, experts, firsts)
     n, columns = x.shape

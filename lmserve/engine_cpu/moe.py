@@ -83,7 +83,7 @@ def _experts(x: np.ndarray, m: ExpertWeights, chosen: np.ndarray, weights: np.nd
     experts, rows = chosen.ravel()[order], order // k  # a row picks an expert at most once
     bounds = np.flatnonzero(experts[1:] != experts[:-1]) + 1
     firsts = np.concatenate(([0], bounds, [len(experts)]))
-    y = _expert_outputs(x[rows], m, experts, firsts, activation)
+    y = _expert_outputs(x, rows, m, experts, firsts, activation)
     kernel = ops.compiled("moe_kernel")
     if kernel is not None:
         out = np.zeros((n, y.shape[1]), np.float32)
@@ -94,11 +94,11 @@ def _experts(x: np.ndarray, m: ExpertWeights, chosen: np.ndarray, weights: np.nd
     return by_row.sum(axis=1)  # adds the k outputs in turn, as a loop over them would
 
 
-def _expert_outputs(xs: np.ndarray, m: ExpertWeights, experts: np.ndarray, firsts: np.ndarray,
+def _expert_outputs(x: np.ndarray, rows: np.ndarray, m: ExpertWeights, experts: np.ndarray, firsts: np.ndarray,
                     activation: Activation) -> np.ndarray:
-    """Each row of `xs` through its expert (`experts`, sorted; group g is rows `firsts[g]:firsts[g +
-    1]`), one matrix at a time (`_grouped_product`)."""
-    gate_up = _grouped_product(xs, m.gate_up, experts, firsts)
+    """Rows `rows` of `x` (one for each row's expert) through their experts (`experts`, sorted;
+    group g is `rows[firsts[g]:firsts[g + 1]]`), one matrix at a time (`_grouped_product`)."""
+    gate_up = _grouped_product(x, m.gate_up, experts, firsts, rows)
     if m.gate_up_bias is not None:
         gate_up += m.gate_up_bias[experts]
     y = _grouped_product(activation(gate_up), m.down, experts, firsts)
@@ -107,29 +107,32 @@ def _expert_outputs(xs: np.ndarray, m: ExpertWeights, experts: np.ndarray, first
     return y
 
 
-def _grouped_product(xs: np.ndarray, matrices: Experts, experts: np.ndarray,
-                     firsts: np.ndarray) -> np.ndarray:
-    """Each group's rows times its expert's matrix transposed. The groups a stacked matrix's
+def _grouped_product(x: np.ndarray, matrices: Experts, experts: np.ndarray, firsts: np.ndarray,
+                     rows: np.ndarray | None = None) -> np.ndarray:
+    """Each group's rows times its expert's matrix transposed, group g's rows being x's rows
+    `rows[firsts[g]:firsts[g + 1]]` (None: x's rows in order). The groups a stacked matrix's
     kernels take (`ExpertStack.kernel_rows`: every group of a decode step, and of a prompt chunk
-    where int8 activations take the stack) run in one grouped kernel call; larger ones (and
-    unstacked experts) one expert at a time, dequantized for BLAS as `QuantMatrix.times` would.
-    Either way a row gets the bits of its expert's own product (on the kernels, one row's)."""
+    where int8 activations take the stack) run in one grouped kernel call, which reads the rows
+    where they are on AMX tiles; larger ones (and unstacked experts) one expert at a time,
+    dequantized for BLAS as `QuantMatrix.times` would. Either way a row gets the bits of its
+    expert's own product (on the kernels, one row's)."""
     sizes = firsts[1:] - firsts[:-1]
     groups = experts[firsts[:-1]]
     most = 0
     if isinstance(matrices, ExpertStack):
         if sizes.max() <= KERNEL_ROWS:  # a decode step's groups: the kernels take them all
-            return matrices.times_grouped(xs, groups, firsts)
+            return matrices.times_grouped(x, groups, firsts, rows)
         most = matrices.kernel_rows
     in_kernel = sizes <= most
     if in_kernel.all():
-        return matrices.times_grouped(xs, groups, firsts)
+        return matrices.times_grouped(x, groups, firsts, rows)
+    xs = x if rows is None else x[rows]
     out = np.empty((len(xs), len(matrices[0])), np.float32)
     if in_kernel.any():
-        rows = np.repeat(in_kernel, sizes)
+        taken = np.repeat(in_kernel, sizes)
         ends = np.cumsum(sizes[in_kernel])
-        out[rows] = matrices.times_grouped(xs[rows], groups[in_kernel], np.concatenate(([0], ends)))
+        out[taken] = matrices.times_grouped(xs[taken], groups[in_kernel], np.concatenate(([0], ends)))
     for group in np.flatnonzero(~in_kernel).tolist():
-        rows = slice(firsts[group], firsts[group + 1])
-        out[rows] = ops.linear(xs[rows], matrices[int(groups[group])])
+        span = slice(firsts[group], firsts[group + 1])
+        out[span] = ops.linear(xs[span], matrices[int(groups[group])])
     return out

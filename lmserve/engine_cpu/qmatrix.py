@@ -227,13 +227,15 @@ class ExpertStack:
         call of its own (figures: docs/PERFORMANCE.md, measurements behind code choices)."""
         return sys.maxsize if self.whole.kernel_rows > KERNEL_ROWS else KERNEL_ROWS
 
-    def times_grouped(self, x: np.ndarray, experts: np.ndarray, firsts: np.ndarray) -> np.ndarray:
-        """`x [n, in]` whose rows `firsts[g]:firsts[g + 1]` go to expert `experts[g]`, each group
-        times its expert's matrix transposed: `[n, rows_each]` float32. For groups the kernels
-        take (at most an expert's `kernel_rows` rows each)."""
+    def times_grouped(self, x: np.ndarray, experts: np.ndarray, firsts: np.ndarray,
+                      rows: np.ndarray | None = None) -> np.ndarray:
+        """Grouped rows (row r is `x`'s row `rows[r]`; None: row r) whose rows `firsts[g]:firsts[g +
+        1]` go to expert `experts[g]`, each group times its expert's matrix transposed: `[grouped
+        rows, rows_each]` float32. For groups the kernels take (at most an expert's `kernel_rows`
+        rows each)."""
         from lmserve.engine_cpu import kernels
 
-        return kernels.grouped_times(np.ascontiguousarray(x, dtype=np.float32), *self.cubes, experts, firsts)
+        return kernels.grouped_times(np.ascontiguousarray(x, dtype=np.float32), *self.cubes, experts, firsts, rows)
 
     @functools.cached_property
     def cubes(self) -> tuple[np.ndarray, ...]:
