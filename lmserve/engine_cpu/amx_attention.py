@@ -64,7 +64,7 @@ from lmserve.engine_cpu.softmax_kernel import (
 ROWS = 16  # a tile's rows: query rows in A and C
 COLUMNS = 16  # a C tile's columns: positions (scores) or head dimensions (mix)
 PAIRS = 32  # bfloat16 values an A tile's row holds: a step of the products' inner dimension
-TILE_BYTES = 1024
+TILE_BYTES = 1024  # a tile's 16 rows of 64 bytes
 HEAD_MULTIPLE = 64  # head sizes taken: whole steps of the scores' inner dimension and of 4 C tiles
 BLOCK_TILES = 4  # row tiles a thread takes at once: B read from memory once for 64 query rows
 MIX_STEPS = 32  # the mix's steps of 32 positions a row block takes before the next: a pair's B, 128 KiB, stays in L2
@@ -154,7 +154,8 @@ def _bf16_bits(b: ir.IRBuilder, values: ir.Value) -> tuple[ir.Value, ir.Value]:
 @intrinsic
 def _weights(typingctx, row, peak, hi, lo):  # noqa: ANN001, ANN202, ARG001
     """`row`'s (scaled scores, -inf where the query does not see; whole vectors of 16) e ** (s -
-    peak), as `softmax_kernel._exp` computes it, split into bfloat16 `hi` and `lo` (uint16,
+    peak), by `softmax_kernel._exp`'s Cephes polynomial (x / ln 2 rounded to even rather than
+    up at a tie), split into bfloat16 `hi` and `lo` (uint16,
     contiguous, as long); returns their sum. One pass over the row where NumPy-style loops took
     three (the exponentials, then the split's two)."""
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202, ARG001
