@@ -26,7 +26,6 @@ and values out so, once a pass); C, 16 x 16 float32, two at a time.
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 from llvmlite import binding as llvm
@@ -38,6 +37,7 @@ from numba.extending import intrinsic
 from lmserve.engine_cpu import amx_kernels
 from lmserve.engine_cpu.amx_kernels import (
     PTR,
+    ROWS,
     byte_address,
     call_void,
     configure_tiles,
@@ -61,7 +61,6 @@ from lmserve.engine_cpu.softmax_kernel import (
     _scaled_peak,
 )
 
-ROWS = 16  # a tile's rows: query rows in A and C
 COLUMNS = 16  # a C tile's columns: positions (scores) or head dimensions (mix)
 PAIRS = 32  # bfloat16 values an A tile's row holds: a step of the products' inner dimension
 TILE_BYTES = 1024  # a tile's 16 rows of 64 bytes
@@ -78,12 +77,17 @@ def available() -> bool:
     return amx_kernels.available() and llvm.get_host_cpu_features().get(_FEATURE, False)
 
 
+def enabled(head_size: int) -> bool:
+    """Whether a prompt pass's attention over heads of `head_size` runs here: a head size of whole
+    tiles, the tiles not turned off (`amx_kernels.enabled`: ENV, the benchmarks' baseline), and
+    AMX-BF16 here."""
+    return head_size % HEAD_MULTIPLE == 0 and amx_kernels.enabled() and available()
+
+
 def takes(query_rows: int, head_size: int) -> bool:
     """Whether a pass's products run here: a prompt pass's rows (more than a verify pass's, which
-    keep BLAS's bits and a decode step's), a head size of whole tiles, and the tiles not turned
-    off (`amx_kernels.ENV`, the benchmarks' baseline)."""
-    return (query_rows > amx_kernels.COLUMN_ROWS and head_size % HEAD_MULTIPLE == 0
-            and os.environ.get(amx_kernels.ENV, "auto") != "off" and available())
+    keep BLAS's bits and a decode step's) and `enabled`."""
+    return query_rows > amx_kernels.COLUMN_ROWS and enabled(head_size)
 
 
 @intrinsic
@@ -328,7 +332,7 @@ def attend(qg: np.ndarray, keys: np.ndarray, values: np.ndarray, n: int, start: 
 def prepare() -> None:
     """Compile `_attend` (or load it from Numba's cache) where it runs: for a float32 cache's keys
     and values (strided views of it) and for a quantized cache's (read back into new arrays)."""
-    if os.environ.get(amx_kernels.ENV, "auto") == "off" or not available():
+    if not (amx_kernels.enabled() and available()):
         return
     bits, layouts = types.uint32, ("A", "C")
     for layout in layouts:

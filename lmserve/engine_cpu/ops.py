@@ -184,8 +184,9 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     """SwiGLU: silu(gate) * up for `[..., 2 * ffn]` rows of gate then up, by
     `decode_layer_kernel.silu_mul` where Numba is (the compiled FFN half's too, so every path
-    gives a row the same bits; a prompt pass's rows split between the CPUs, `in_parts`), else in NumPy in one buffer, by the tanh form of the sigmoid,
-    which never overflows, so large negative gates raise no warnings."""
+    gives a row the same bits; a prompt pass's rows split between the CPUs, `in_parts`), else in
+    NumPy in one buffer, by the tanh form of the sigmoid, which never overflows, so large
+    negative gates raise no warnings."""
     half = gate_up.shape[-1] // 2
     kernel = compiled("decode_layer_kernel")
     if kernel is not None:
@@ -343,10 +344,10 @@ def _visible_runs(n: int, start: int, first: int, window: int, seen: int) -> lis
 
 
 def prompt_attention_on_tiles(head_sizes: Iterable[int]) -> bool:
-    """Whether a prompt pass's attention runs on AMX tiles (`amx_attention.takes`) in some layer
+    """Whether a prompt pass's attention runs on AMX tiles (`amx_attention.enabled`) in some layer
     of these head sizes: what the banner and /health name."""
     tiles = compiled("amx_attention")
-    return tiles is not None and any(tiles.takes(FEW_QUERY_ROWS + 1, size) for size in head_sizes)
+    return tiles is not None and any(tiles.enabled(size) for size in head_sizes)
 
 
 def reads_blocks(query_rows: int) -> bool:
