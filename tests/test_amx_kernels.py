@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 
 from lmserve.engine_cpu import CPUEngine, amx_attention, amx_kernels, int8_kernels
 from lmserve.engine_cpu.int8_kernels import COLUMN_ROWS
-from lmserve.engine_cpu.qmatrix import SUPERBLOCK, WIDE_VALUES, ExpertStack
+from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, SUPERBLOCK, WIDE_VALUES, ExpertStack
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
 from tests.families import Fixture
@@ -112,6 +112,21 @@ def test_products_past_a_verify_pass_take_the_tiles_unless_they_are_off(tiles: N
     assert np.array_equal(matrix.times(x), vnni(x, matrix))
     assert not amx_kernels.takes(encoded_matrix(T.Q4_0, 37, 512)[0].q, encoded_matrix(T.Q4_0, 37, 512)[0].scale, 48)
 
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_a_small_matrix_takes_the_tiles_rather_than_blas(qtype: GGMLQuantizationType, tiles: None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A matrix under WIDE_VALUES values (a Q4_K_M file's V projection) runs a prompt chunk on the
+    tiles, which beat dequantizing it for BLAS at any size; with the tiles off it goes back to
+    BLAS past KERNEL_ROWS, as before the tiles."""
+    matrix, values = encoded_matrix(qtype, 37, 512)
+    x = np.random.default_rng(8).standard_normal((KERNEL_ROWS + 24, 512)).astype(np.float32)
+    assert np.array_equal(matrix.times(x), amx_kernels.times(x, *matrix.arrays))
+    monkeypatch.setenv(amx_kernels.ENV, "off")
+    assert matrix.kernel_rows == KERNEL_ROWS
+    blas = matrix.times(x)
+    assert not np.array_equal(blas, vnni(x, matrix))  # float32 x, not x rounded to int8
+    np.testing.assert_allclose(blas, x @ values.T, rtol=1e-5, atol=1e-5 * float(np.abs(blas).max()))
 
 def test_a_prompt_pass_gives_the_greedy_tokens_the_vnni_kernels_give(tiles: None,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:

@@ -487,10 +487,16 @@ def enabled() -> bool:
     return os.environ.get(ENV, "auto") != "off" and available()
 
 
+def takes_form(q: np.ndarray, scale: np.ndarray) -> bool:
+    """Whether a prompt chunk's products with this matrix (or stack) run here: int8 activations
+    on, a form with a recipe, the tiles enabled."""
+    return int8_kernels.takes(q.dtype) and recipe_of(q, scale) is not None and enabled()
+
+
 def takes(q: np.ndarray, scale: np.ndarray, rows: int) -> bool:
     """Whether a product of `rows` x rows with this matrix runs here (each group's rows, for a
-    stack): int8 activations on, a form with a recipe, more rows than a verify pass."""
-    return rows > COLUMN_ROWS and int8_kernels.takes(q.dtype) and recipe_of(q, scale) is not None and enabled()
+    stack): `takes_form`, and more rows than a verify pass."""
+    return rows > COLUMN_ROWS and takes_form(q, scale)
 
 
 def grouped_times(x: np.ndarray, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, supers: np.ndarray,

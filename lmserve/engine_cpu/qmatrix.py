@@ -36,7 +36,8 @@ TILE_VALUES = 1 << 22
 # their gain was smaller than what the kernels' OpenMP threads, spinning after each call, cost the
 # BLAS products around them, and with the shorter spinning set in engine_cpu/__init__.py there is
 # none to take (SmolLM2's down projections on the kernels: its prompts even with BLAS; figures:
-# docs/PERFORMANCE.md, measurements behind code choices).
+# docs/PERFORMANCE.md, measurements behind code choices). The AMX tiles beat BLAS at every size,
+# so the matrices they take run there whatever their size (`QuantMatrix.kernel_rows`).
 WIDE_VALUES = 1 << 20
 
 # `q`'s dtype -> (values, elements): how many values that many elements hold; the kernels decode
@@ -141,12 +142,13 @@ class QuantMatrix:
     @property
     def kernel_rows(self) -> int:
         """The most rows a product runs on the kernels rather than on BLAS: KERNEL_ROWS, or more
-        for a matrix of at least WIDE_VALUES values where int8 activations beat BLAS at a prompt
-        chunk's width (`int8_kernels.wide_rows`)."""
-        from lmserve.engine_cpu import int8_kernels
+        where int8 activations beat BLAS at a prompt chunk's width (`int8_kernels.wide_rows`): a
+        matrix of at least WIDE_VALUES values, or any that the AMX tiles take (a 256 x 1,024
+        Q6_K's 512 rows: 0.71 ms there, 0.98 dequantized for BLAS)."""
+        from lmserve.engine_cpu import amx_kernels, int8_kernels
 
         rows, columns = self.shape
-        if rows * columns < WIDE_VALUES:
+        if rows * columns < WIDE_VALUES and not amx_kernels.takes_form(self.q, self.scale):
             return KERNEL_ROWS
         return max(KERNEL_ROWS, int8_kernels.wide_rows(self.q.dtype, columns))
 
