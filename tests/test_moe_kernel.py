@@ -43,7 +43,8 @@ def test_a_decode_steps_router_logits_are_the_product(monkeypatch: pytest.Monkey
 def test_the_compiled_weighted_sum_of_experts_has_the_numpy_passes_bits(rows: int, experts: int, k: int,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each row's experts' outputs, scaled by their weights and added in the experts' order, in
-    one compiled pass (`moe_kernel.add_weighted`) as in NumPy's scale, gather and sum."""
+    one compiled pass (`moe_kernel.add_weighted`) as in NumPy's scale, gather and sum; the
+    300-row case's rows split between the CPUs (`ops.in_parts`) where there are two."""
     rng = np.random.default_rng(rows)
     chosen = np.stack([rng.choice(experts, k, replace=False) for _ in range(rows)])
     weights = rng.dirichlet(np.ones(k), rows).astype(np.float32)

@@ -86,8 +86,12 @@ def _experts(x: np.ndarray, m: ExpertWeights, chosen: np.ndarray, weights: np.nd
     y = _expert_outputs(x, rows, m, experts, firsts, activation)
     kernel = ops.compiled("moe_kernel")
     if kernel is not None:
-        out = np.zeros((n, y.shape[1]), np.float32)
-        kernel.add_weighted(y, np.ascontiguousarray(weights, np.float32).ravel(), order, k, out)
+        out = np.empty((n, y.shape[1]), np.float32)
+        places = np.empty_like(order)
+        places[order] = np.arange(len(order))
+        pair_weights = np.ascontiguousarray(weights, np.float32).ravel()
+        ops.in_parts(lambda lo, hi: kernel.add_weighted(y, pair_weights, places, k, out, lo, hi), n, y.size,
+                     ops.THREADED_ROWS)
         return out
     y *= weights.ravel()[order, None]
     by_row = y[np.argsort(rows, kind="stable").reshape(n, k)]  # [n, k, hidden], experts in order

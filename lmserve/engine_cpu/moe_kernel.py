@@ -99,18 +99,31 @@ def moe_half(h, norm, eps, router, topk_softmax, k, gate_up, down):  # noqa: ANN
     hidden = np.empty((len(order), both.shape[1] // 2), np.float32)
     silu_mul(both, hidden)
     y = _grouped_times(hidden, *down, groups, firsts)
-    out = np.zeros_like(h)
-    add_weighted(y, pair_weights, order, k, out)
+    places = np.empty_like(order)
+    places[order] = np.arange(len(order))
+    out = np.empty_like(h)
+    add_weighted(y, pair_weights, places, k, out, 0, n)
     h += out
 
 
 @njit(cache=True, nogil=True)
-def add_weighted(y, weights, order, k, out):  # noqa: ANN001, ANN201
-    """`out[pair // k] += y[i] * weights[pair]` (pair = `order[i]`) for each row i of the experts'
-    outputs `y` in turn: grouped by expert, so each row gets its outputs in the experts' order.
-    One pass over `y`, where scaling it, gathering it by row and summing took three."""
-    for i in range(len(order)):
-        pair = order[i]
-        weight, row = weights[pair], out[pair // k]
-        for c in range(y.shape[1]):
-            row[c] += y[i, c] * weight
+def add_weighted(y, weights, places, k, out, lo, hi):  # noqa: ANN001, ANN201, PLR0913
+    """`out[r]` = row r's k experts' outputs `y[places[pair]]` times `weights[pair]` (pair = r * k +
+    slot), added to zeros in the order of their places, for rows `lo:hi`. `y` is grouped by
+    expert (`places` is where each pair went), so each row gets its outputs in the experts' order,
+    and a range of rows needs no other's: a prompt pass splits them between the CPUs
+    (`moe._experts`). One pass over `y`, where scaling it, gathering it by row and summing took three."""
+    pairs = np.empty(k, np.int64)
+    for r in range(lo, hi):
+        for slot in range(k):  # row r's pairs by place: an insertion sort of k
+            pair, at = r * k + slot, slot
+            while at > 0 and places[pairs[at - 1]] > places[pair]:
+                pairs[at] = pairs[at - 1]
+                at -= 1
+            pairs[at] = pair
+        row = out[r]
+        row[:] = 0.0
+        for slot in range(k):
+            i, weight = places[pairs[slot]], weights[pairs[slot]]
+            for c in range(y.shape[1]):
+                row[c] += y[i, c] * weight

@@ -166,7 +166,7 @@ def prepare(kv_type: str, experts: bool) -> None:
         ids = np.empty(1, np.int64)
         calls += [(moe.router_logits, (matrix, matrix, matrix)),
                   (moe.route, (matrix, True, np.empty((1, 1), np.int64), matrix)),
-                  (moe.add_weighted, (matrix, vector, ids, 0, matrix))]
+                  (moe.add_weighted, (matrix, vector, ids, 0, matrix, 0, 0))]
     for function, arguments in calls:
         function.compile(tuple(numba.typeof(argument) for argument in arguments))
     compiled("amx_attention").prepare()
