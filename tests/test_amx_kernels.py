@@ -9,16 +9,19 @@ import sys
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from lmserve.engine_cpu import CPUEngine, amx_attention, amx_kernels, int8_kernels
+from lmserve.engine_cpu.encodings import encode
 from lmserve.engine_cpu.int8_kernels import COLUMN_ROWS
-from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, SUPERBLOCK, WIDE_VALUES, ExpertStack
+from lmserve.engine_cpu.qmatrix import KERNEL_ROWS, SUPERBLOCK, WIDE_VALUES, ExpertStack, QuantMatrix
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile, ModelLoadError
 from tests.families import Fixture
 from tests.test_int8_kernels import rounded
 from tests.test_qmatrix import encoded_matrix
+from tests.test_quant_blocks import random_blocks
 
 T = GGMLQuantizationType
 TILE_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K]  # the forms with a recipe (`amx_kernels.RECIPES`)
@@ -53,6 +56,25 @@ def test_tile_products_are_the_products_of_x_rounded_to_int8(qtype: GGMLQuantiza
         assert np.abs(got - want).max() <= 2e-6 * scale, (qtype.name, rows)
         assert np.abs(got - vnni(x, matrix)).max() <= 2e-6 * scale
 
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K], ids=lambda t: t.name)
+def test_the_offsets_term_is_a_float32_product(qtype: GGMLQuantizationType, tiles: None) -> None:
+    """With every superblock's factor 0, a product is the offsets' term alone (each block's
+    offset times x's block sum, on the bfloat16 tiles as parts of each float32): within a few
+    float32 roundings of the float64 product, over 1,024 columns (a whole step of 32 blocks) and
+    1,280 (a step and a partial one). Five products of parts hold what float32 does; three, two
+    parts a side, left 2^-18 of each term out."""
+    rng = np.random.default_rng(9)
+    for columns in (1024, 1280):
+        raw = random_blocks(qtype, 40, columns, seed=columns)
+        size = GGML_QUANT_SIZES[qtype][1]
+        raw.reshape(-1, size)[:, 0:2] = 0  # each superblock's factor d, float16 zero
+        matrix = QuantMatrix(*encode(raw, qtype, columns))
+        values = gguf_quants.dequantize(raw, qtype).reshape(40, columns).astype(np.float64)
+        x = rounded(rng.standard_normal((48, columns)).astype(np.float32), SUPERBLOCK).astype(np.float64)
+        got = amx_kernels.times(x.astype(np.float32), *matrix.arrays)
+        bound = np.abs(x) @ np.abs(values).T
+        assert np.all(np.abs(got - x @ values.T) <= 2.0**-21 * bound), (qtype.name, columns)
 
 @pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda t: t.name)
 def test_a_rows_tile_bits_do_not_depend_on_what_else_the_chunk_holds(qtype: GGMLQuantizationType, tiles: None) -> None:

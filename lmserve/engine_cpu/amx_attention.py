@@ -42,6 +42,7 @@ from lmserve.engine_cpu.amx_kernels import (
     call_void,
     configure_tiles,
     release_tiles,
+    rounded_bf16,
     tile_config,
 )
 from lmserve.engine_cpu.kernel_ir import I8, I16, I64, LANES, VF, VH, VI32, Builder
@@ -194,26 +195,20 @@ def _weights(typingctx, row, peak, hi, lo):  # noqa: ANN001, ANN202, ARG001
 
 
 @njit(inline="always", nogil=True)
-def _bf16(bits):  # noqa: ANN001, ANN202
-    """The bfloat16 nearest a float32's bits (ties to even), as the high 16 bits of a uint32."""
-    return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-
-
-@njit(inline="always", nogil=True)
 def _split(bits, hi, lo, whole, rest):  # noqa: ANN001, ANN202
     """Float32s given as their bits (`bits`, uint32, any layout) as bfloat16 `hi` and the
     bfloat16 of what is left, `lo` (uint16 each); `whole` and `rest` contiguous uint32 scratch
     of the same length (a float's bits are read as a float through an array view only)."""
     for i in range(len(bits)):
         whole[i] = bits[i]
-        rounded = _bf16(bits[i])
+        rounded = rounded_bf16(bits[i])
         rest[i] = rounded
         hi[i] = np.uint16(rounded >> np.uint32(16))
     values, left = whole.view(np.float32), rest.view(np.float32)
     for i in range(len(bits)):
         left[i] = values[i] - left[i]
     for i in range(len(bits)):
-        lo[i] = np.uint16(_bf16(rest[i]) >> np.uint32(16))
+        lo[i] = np.uint16(rounded_bf16(rest[i]) >> np.uint32(16))
 
 
 @njit(parallel=True, nogil=True, cache=True)

@@ -3,8 +3,9 @@
 A prompt chunk's products with the K-quants were where the NumPy engine spent most of a MoE
 prompt; `vpdpbusd` (`int8_kernels`) does 64 byte products an instruction, one `tdpbusd` 16 x 16 x
 64. The arithmetic is `int8_kernels`': x is rounded to int8 a superblock of 256 values at a time
-(`_quantize`), the weights' integers times it are summed exactly, and the superblock's factor, dx
-and the offsets' term are applied in float32.
+(`_quantize`), the weights' integers times it are summed exactly, and the superblock's factor
+and dx are applied in float32. The offsets' term (Q4_K's and Q5_K's) is a float32 product on the
+AMX-BF16 tiles, each float32 as bfloat16 parts (`_offsets_terms`).
 
 The sub-block scales differ every 16 or 32 values, and a C tile's sum cannot be scaled between
 blocks. So each scale is split into digits that, times a value, still fit a byte (`Recipe`):
@@ -23,8 +24,9 @@ pass's rows keep the VNNI kernels' one-row bits, and a prompt chunk's row gets t
 whatever else the chunk holds. The two differ in float32's rounding only (a block's sum is one
 integer here, 16 lane sums there).
 
-Linux on a CPU with AMX-INT8 only: the kernel grants a process the tiles' state on request
-(`arch_prctl(ARCH_REQ_XCOMP_PERM)`), which `available` makes before anything runs here.
+Linux on a CPU with AMX-INT8 and AMX-BF16 only (every CPU with AMX has both): the kernel grants a
+process the tiles' state on request (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), which `available` makes
+before anything runs here.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from lmserve.model.gguf_file import ModelLoadError
 ROWS = 16  # a tile's rows: matrix rows in A and C, x rows in B's columns
 LANES = 16  # int32 or float32 values a C row holds, one 512-bit vector
 CHUNK = 4 * LANES  # values an A tile's row holds: 64 bytes
-_FEATURES = ("amx-tile", "amx-int8")
+_FEATURES = ("amx-tile", "amx-int8", "amx-bf16")  # bfloat16: the offsets' term
 _ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 ENV = "LMSERVE_CPU_TILES"  # `off`: the VNNI kernels for every product (a benchmark's baseline)
 PTR = I8.as_pointer()
@@ -65,7 +67,8 @@ VI64, VMASK = ir.VectorType(I64, LANES), ir.VectorType(ir.IntType(1), LANES)
 
 @functools.cache
 def available() -> bool:
-    """Whether this CPU has AMX-INT8 and this process may use its tiles (asked for once, here)."""
+    """Whether this CPU has AMX-INT8 and AMX-BF16 and this process may use its tiles (asked for once,
+    here)."""
     if sys.platform != "linux" or not int8_kernels.available():
         return False
     features = llvm.get_host_cpu_features()
@@ -149,9 +152,8 @@ def _plane_product(recipe: Recipe):  # noqa: ANN202  (a Numba intrinsic)
     rows `first` on (those before `stop`), columns `o0:o0 + 16` (those it has). A superblock's
     blocks share C, so each C sums 256 values in four `tdpbusd` (or `tdpbssd`) of 64; the planes'
     weighted sum is the block-scaled integer product, times each row's factor and dx (`dxt [tiles,
-    superblocks, 16]`), with the offsets' term where the recipe has one (`offsets [16, blocks]`
-    times `xst [tiles, blocks, 16]`), summed in `total [x tiles, 16, 16]` and transposed into x
-    rows at the end. Tiles: C of (x tile t, plane p) at t * planes + p; A of plane p after them; B
+    superblocks, 16]`), summed in `total [x tiles, 16, 16]` (from the offsets' term where the
+    recipe has one, `_offsets_terms`, else from zeros) and transposed into x rows at the end. Tiles: C of (x tile t, plane p) at t * planes + p; A of plane p after them; B
     of x tile t after those. A superblock's C is stored (`products`, two buffers) and read back
     once the next superblock's products are issued."""
     planes, x_tiles = recipe.planes, recipe.x_tiles
@@ -159,23 +161,22 @@ def _plane_product(recipe: Recipe):  # noqa: ANN202  (a Numba intrinsic)
     dot = "llvm.x86.tdpbssd" if recipe.signed else "llvm.x86.tdpbusd"
 
     @intrinsic
-    def product(typingctx, unpacked, xb, x_tile, products, factors, offsets, dxt, xst, total, out, first, o0, stop):  # noqa: ANN001, ANN202, ARG001, E501
+    def product(typingctx, unpacked, xb, x_tile, products, factors, dxt, total, out, first, o0, stop):  # noqa: ANN001, ANN202, ARG001
         def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
             k, b = Builder(context, builder, signature, args), builder
             tile = functools.partial(ir.Constant, I8)
             fma = k.fma(VF)
             stride = k.columns(0)
             chunks = cgutils.unpack_tuple(b, k.arrays[1].shape, 4)[1]
-            superblocks = cgutils.unpack_tuple(b, k.arrays[6].shape, 3)[1]
-            blocks = cgutils.unpack_tuple(b, k.arrays[7].shape, 3)[1]
+            superblocks = cgutils.unpack_tuple(b, k.arrays[5].shape, 3)[1]
             x_tile = args[2]
             chunk_bytes = ROWS * LANES * 4
             per_superblock = SUPERBLOCK // CHUNK
-            zero = ir.Constant(VF, [0.0] * LANES)
-            totals = [[k.at(k.data(8), ir.Constant(I64, (t * ROWS + r) * LANES)) for r in range(ROWS)] for t in range(x_tiles)]
-            for t, rows in enumerate(totals):
-                for r, value in enumerate(_offsets_term(k, args[2], t, blocks) if recipe.offsets else [zero] * ROWS):
-                    k.store_vector(value, rows[r], ir.Constant(I64, 0))
+            totals = [[k.at(k.data(6), ir.Constant(I64, (t * ROWS + r) * LANES)) for r in range(ROWS)] for t in range(x_tiles)]
+            if not recipe.offsets:  # else `total` holds the offsets' term (`_offsets_terms`)
+                for rows in totals:
+                    for cell in rows:
+                        k.store_vector(ir.Constant(VF, [0.0] * LANES), cell, ir.Constant(I64, 0))
 
             def buffer(superblock: ir.Value, c: int) -> ir.Value:
                 """Byte offset in `products` of C tile c of `superblock`: superblocks alternate between two buffers."""
@@ -206,7 +207,7 @@ def _plane_product(recipe: Recipe):  # noqa: ANN202  (a Numba intrinsic)
                     superblock = b.sub(loop.index, ir.Constant(I64, 1))
                     for t in range(x_tiles):
                         tile_index = b.add(x_tile, ir.Constant(I64, t))
-                        dxs = k.load_vector(k.data(6), b.mul(b.add(b.mul(tile_index, superblocks), superblock), ir.Constant(I64, LANES)), VF)
+                        dxs = k.load_vector(k.data(5), b.mul(b.add(b.mul(tile_index, superblocks), superblock), ir.Constant(I64, LANES)), VF)
                         stored = [b.bitcast(byte_address(context, b, signature, args, 3, buffer(superblock, t * planes + plane)), I32.as_pointer())
                                   for plane in range(planes)]
                         for r in range(ROWS):
@@ -219,38 +220,70 @@ def _plane_product(recipe: Recipe):  # noqa: ANN202  (a Numba intrinsic)
                             k.store_vector(value, totals[t][r], ir.Constant(I64, 0))
             store = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [VF, VF.as_pointer(), I32, VMASK]),
                                                    "llvm.masked.store.v16f32.p0")
-            columns = b.sub(k.columns(9), args[11])
+            columns = b.sub(k.columns(7), args[9])
             mask = b.icmp_signed("<", ir.Constant(VI64, list(range(LANES))), k.splat(columns, LANES))
             for t, rows in enumerate(totals):
                 values = [k.load_vector(cell, ir.Constant(I64, 0), VF) for cell in rows]
-                first = b.add(args[10], ir.Constant(I64, t * ROWS))
+                first = b.add(args[8], ir.Constant(I64, t * ROWS))
                 for m, value in enumerate(_transposed(b, values)):
-                    with b.if_then(b.icmp_signed("<", b.add(first, ir.Constant(I64, m)), args[12])):
-                        target = k.at(k.row(9, b.add(first, ir.Constant(I64, m))), args[11])
+                    with b.if_then(b.icmp_signed("<", b.add(first, ir.Constant(I64, m)), args[10])):
+                        target = k.at(k.row(7, b.add(first, ir.Constant(I64, m))), args[9])
                         b.call(store, [value, b.bitcast(target, VF.as_pointer()), ir.Constant(I32, 4), mask])
             return context.get_dummy_value()
-        signature = types.void(unpacked, xb, x_tile, products, factors, offsets, dxt, xst, total, out, first, o0, stop)
+        signature = types.void(unpacked, xb, x_tile, products, factors, dxt, total, out, first, o0, stop)
         return signature, codegen
     return product
 
 
-def _offsets_term(k: Builder, x_tile: ir.Value, t: int, blocks: ir.Value) -> list[ir.Value]:
-    """The offsets' term of x tile `x_tile + t` for the 16 matrix rows: row r's vector of 16 x
-    rows is `sum over blocks of offsets[r, block] * xst[tile, block]` (arguments 5 and 7 of
-    `_plane_product`'s intrinsic). Summed once, before the superblocks, with the 16 rows' sums in
-    16 registers: summed a superblock at a time in the epilogue, each row's chain of FMAs waited
-    on the last, and Q4_K's products of 512 rows took 11.0 ms where they take 7.2 without it
-    (figures: docs/PERFORMANCE.md, NumPy engine: AMX tiles)."""
-    b = k.b
-    fma = k.fma(VF)
-    tile = b.add(x_tile, ir.Constant(I64, t))
-    sums = [cgutils.alloca_once_value(b, ir.Constant(VF, [0.0] * LANES)) for _ in range(ROWS)]
-    with cgutils.for_range(b, blocks) as loop:
-        x_sums = k.load_vector(k.data(7), b.mul(b.add(b.mul(tile, blocks), loop.index), ir.Constant(I64, LANES)), VF)
-        for r, cell in enumerate(sums):
-            offset = k.splat(b.load(k.at(k.row(5, ir.Constant(I64, r)), loop.index)))
-            b.store(b.call(fma, [x_sums, offset, b.load(cell)]), cell)
-    return [b.load(cell) for cell in sums]
+# The offsets' term in bfloat16 products. x's block sums are float32s, each three bfloat16 parts
+# (`_parts`); an offset (a 6-bit integer times a float16) has at most 17 significant bits, which
+# two parts hold exactly. Their products whose parts' sizes add to at most 2^-16 of the whole (0
+# the largest part), the small ones first: what is left out is below float32's rounding.
+OFFSET_PARTS, SUM_PARTS = 2, 3
+PART_PRODUCTS = ((1, 1), (0, 2), (1, 0), (0, 1), (0, 0))  # (offset's part, sum's part)
+
+
+@intrinsic
+def _offsets_terms(typingctx, parts, xsb, first, tiles, terms):  # noqa: ANN001, ANN202, ARG001
+    """The offsets' term of x tiles `first` to `first + tiles` for 16 matrix rows, into `terms
+    [>= tiles, 16, 16]` (the sums `_plane_product` starts from): row r's 16 x rows `sum over
+    blocks of offsets[r, block] * xsum[x row, block]`, both float32s as bfloat16 parts (`_parts`:
+    `parts [OFFSET_PARTS, 16, 32 steps]` and `xsb [x tiles, SUM_PARTS, steps, 16, 32]`, 32
+    blocks a step) in PART_PRODUCTS' `tdpbf16ps` a step. 5 products of an x tile where 512
+    vector FMAs took a fifth of Q4_K's products; all of a unit's x tiles in one call, two C tiles
+    in turn, since a product waits for the last into its C (figures: docs/PERFORMANCE.md, NumPy
+    engine: AMX tiles). Tiles: C 0 and 1, A's parts from 2, B's after them."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        k, b = Builder(context, builder, signature, args), builder
+        tile = functools.partial(ir.Constant, I8)
+        load = ("llvm.x86.tileloadd64", [I8, PTR, I64])
+        row_bytes, tile_bytes = ir.Constant(I64, 4 * LANES), ir.Constant(I64, ROWS * LANES * 4)
+        width = cgutils.unpack_tuple(b, k.arrays[0].shape, 3)[2]
+        steps = b.udiv(width, ir.Constant(I64, 32))
+        sums = 2 + OFFSET_PARTS  # B's first tile
+        with cgutils.for_range(b, b.udiv(b.add(args[3], ir.Constant(I64, 1)), ir.Constant(I64, 2))) as pair:
+            for c in range(2):
+                i = b.add(b.mul(pair.index, ir.Constant(I64, 2)), ir.Constant(I64, c))
+                with b.if_then(b.icmp_signed("<", i, args[3])):
+                    call_void(b, "llvm.x86.tilezero", [I8], [tile(c)])
+                    with cgutils.for_range(b, steps) as step:
+                        for part in range(OFFSET_PARTS):
+                            at = b.add(b.mul(ir.Constant(I64, part), b.mul(width, ir.Constant(I64, 2 * ROWS))),
+                                       b.mul(step.index, row_bytes))
+                            call_void(b, *load, [tile(2 + part), byte_address(context, b, signature, args, 0, at),
+                                                 b.mul(width, ir.Constant(I64, 2))])
+                        x_tile = b.add(args[2], i)
+                        for part in range(SUM_PARTS):
+                            index = b.add(b.mul(b.add(b.mul(x_tile, ir.Constant(I64, SUM_PARTS)), ir.Constant(I64, part)), steps),
+                                          step.index)
+                            call_void(b, *load, [tile(sums + part), byte_address(context, b, signature, args, 1,
+                                                                              b.mul(index, tile_bytes)), row_bytes])
+                        for left, right in PART_PRODUCTS:
+                            call_void(b, "llvm.x86.tdpbf16ps", [I8] * 3, [tile(c), tile(2 + left), tile(sums + right)])
+                    call_void(b, "llvm.x86.tilestored64", [I8, PTR, I64],
+                              [tile(c), byte_address(context, b, signature, args, 4, b.mul(i, tile_bytes)), row_bytes])
+        return context.get_dummy_value()
+    return types.void(parts, xsb, first, tiles, terms), codegen
 
 
 def _unpack_planes(recipe: Recipe):  # noqa: ANN202  (a Numba intrinsic)
@@ -319,12 +352,39 @@ def tile_config():  # noqa: ANN202
     return config
 
 
+@njit(inline="always", nogil=True)
+def rounded_bf16(bits):  # noqa: ANN001, ANN202
+    """The bfloat16 nearest a float32's bits (ties to even), as the high 16 bits of a uint32."""
+    return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+
+
+@njit(nogil=True)
+def _parts(values, parts):  # noqa: ANN001, ANN202
+    """Float32 `values` (2-D, C-contiguous) as bfloat16 parts each (`parts [count, *values.shape]`,
+    their bits, largest first), each the bfloat16 nearest what the ones before leave: three hold
+    a float32's 24 bits, two a value of 17 significant bits. Loops over whole rows, which
+    vectorize."""
+    left = values.copy()
+    rounded = np.empty_like(values)
+    left_bits, rounded_bits = left.view(np.uint32), rounded.view(np.uint32)
+    for part in range(parts.shape[0]):
+        for r in range(values.shape[0]):
+            for i in range(values.shape[1]):
+                bits = rounded_bf16(left_bits[r, i])
+                rounded_bits[r, i] = bits
+                parts[part, r, i] = np.uint16(bits >> np.uint32(16))
+            for i in range(values.shape[1]):
+                left[r, i] -= rounded[r, i]
+
+
 @njit(parallel=True, nogil=True)
-def _pack(xq, dx, xsum, rows, starts, stops, bases, xb, dxt, xst):  # noqa: ANN001, ANN202
+def _pack(xq, dx, xsum_parts, rows, starts, stops, bases, xb, dxt, xsb):  # noqa: ANN001, ANN202
     """Each group's rows `starts[g]:stops[g]` (x row `rows[r]` for row r) as B tiles from tile
     `bases[g]` on (16 rows a tile, past the group's last row zeros): `xb [tiles, chunks, 16, 16]` int32, 4 bytes of each
-    row a lane; their dx and block sums likewise as `dxt` and `xst`. A tile at a time, on the
-    kernels' threads."""
+    row a lane; their dx likewise as `dxt`; where `xsb [tiles, SUM_PARTS, steps, 16, 32]` (zeros)
+    has steps, their block sums' parts (`xsum_parts [SUM_PARTS, x rows, blocks]`, `_parts`) as
+    `tdpbf16ps`' B tiles (step s row i lane n: blocks 32 s + 2 i and + 1 of x row n). A tile at a
+    time, on the kernels' threads."""
     words = xq.view(np.int32)
     per_chunk = CHUNK // 4
     groups = np.searchsorted(bases, np.arange(bases[-1]), side="right") - 1
@@ -337,16 +397,15 @@ def _pack(xq, dx, xsum, rows, starts, stops, bases, xb, dxt, xst):  # noqa: ANN0
                 for c in range(xb.shape[1]):
                     for i in range(per_chunk):
                         xb[tile, c, i, lane] = words[r, c * per_chunk + i]
-                for block in range(xst.shape[1]):
-                    xst[tile, block, lane] = xsum[r, block]
+                for part in range(SUM_PARTS if xsb.shape[2] else 0):
+                    for block in range(xsum_parts.shape[2]):
+                        xsb[tile, part, block // 32, block % 32 // 2, 2 * lane + block % 2] = xsum_parts[part, r, block]
                 for s in range(dxt.shape[1]):
                     dxt[tile, s, lane] = dx[r, s]
             else:
                 for c in range(xb.shape[1]):
                     for i in range(per_chunk):
                         xb[tile, c, i, lane] = 0
-                for block in range(xst.shape[1]):
-                    xst[tile, block, lane] = 0
                 for s in range(dxt.shape[1]):
                     dxt[tile, s, lane] = 0
 
@@ -396,22 +455,30 @@ def _grouped_body(recipe: Recipe):  # noqa: ANN202  (a Numba function, inlined i
             bases[g + 1] = bases[g] + -(-(stops[g] - starts[g]) // (ROWS * x_tiles)) * x_tiles
         xb = np.empty((bases[groups], columns // CHUNK, CHUNK // 4, LANES), np.int32)
         dxt = np.empty((bases[groups], superblocks, LANES), np.float32)
-        xst = np.empty((bases[groups], blocks, LANES), np.float32)
-        _pack(xq, dx, xsum, rows, starts, stops, bases, xb, dxt, xst)
+        steps = -(-blocks // 32) if with_offsets else 0  # Q6_K's are centered away
+        xsum_parts = np.empty((SUM_PARTS, len(xsum), blocks if with_offsets else 0), np.uint16)
+        if with_offsets:
+            _parts(xsum, xsum_parts)
+        xsb = np.zeros((bases[groups], SUM_PARTS, steps, ROWS, 32), np.uint16)
+        _pack(xq, dx, xsum_parts, rows, starts, stops, bases, xb, dxt, xsb)
         rows = q.shape[1]
         tiles = -(-rows // ROWS)
         spans = np.zeros(groups + 1, np.int64)
         spans[1:] = np.cumsum(stops - starts)
         bounds = even_work(spans, tiles, PARTS)
+        most = 0  # x tiles of the largest group
+        for g in range(groups):
+            most = max(most, bases[g + 1] - bases[g])
         for thread in prange(threads):
             config = tile_config()
             configure_tiles(config)
             digits = np.empty((planes, ROWS, blocks), np.int8)
             unpacked = np.empty((planes * ROWS, columns), np.uint8)
             products = np.empty((2, 4, ROWS, LANES), np.int32)
-            total = np.empty((x_tiles, ROWS, ROWS), np.float32)
+            terms = np.empty((most, ROWS, ROWS), np.float32)  # a group's x tiles' `total`s
             factors = np.empty((ROWS, superblocks), np.float32)
-            offsets = np.empty((ROWS, blocks), np.float32)
+            offsets = np.zeros((ROWS, steps * 32), np.float32)  # past the last block: zeros
+            offset_parts = np.empty((OFFSET_PARTS, ROWS, steps * 32), np.uint16)
             for unit in range(bounds[PARTS * thread // threads], bounds[PARTS * (thread + 1) // threads]):
                 g, o0 = unit // tiles, unit % tiles * ROWS
                 e = experts[g]
@@ -419,13 +486,19 @@ def _grouped_body(recipe: Recipe):  # noqa: ANN202  (a Numba function, inlined i
                 unpack(q[e], digits, unpacked, o0)
                 for j in range(ROWS):
                     o = min(o0 + j, rows - 1)
-                    for block in range(blocks if with_offsets else 0):  # Q6_K's are centered away
-                        offsets[j, block] = offset[e, o, block] * supers[e, o, 2 * (block // per) + 1]
+                    for s in range(superblocks if with_offsets else 0):
+                        least = supers[e, o, 2 * s + 1]
+                        for block in range(s * per, (s + 1) * per):
+                            offsets[j, block] = offset[e, o, block] * least
                     for s in range(superblocks):
                         factors[j, s] = supers[e, o, 2 * s]
+                if with_offsets:
+                    _parts(offsets, offset_parts)
+                    _offsets_terms(offset_parts, xsb, bases[g], bases[g + 1] - bases[g], terms)
                 for x_tile in range(bases[g], bases[g + 1], x_tiles):
                     first = starts[g] + (x_tile - bases[g]) * ROWS
-                    product(unpacked, xb, x_tile, products, factors, offsets, dxt, xst, total, out, first, o0, stops[g])
+                    total = terms[x_tile - bases[g]:x_tile - bases[g] + x_tiles]
+                    product(unpacked, xb, x_tile, products, factors, dxt, total, out, first, o0, stops[g])
             release_tiles()
         return out
     return grouped
