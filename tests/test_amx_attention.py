@@ -79,6 +79,17 @@ def test_the_tiles_attention_is_float64s_within_bf16x3_rounding(shape: tuple) ->
     assert np.abs(got - want).max() <= 5e-5 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("seen", [1, 16, 17, 33, 48, 50])
+def test_the_keys_layout_holds_every_tile_the_scores_read(seen: int) -> None:
+    """The scores' products read the keys' tiles of 16 positions in pairs, up to the step of 32
+    that holds the last position: the layout has every one, zeros past the last position. With an
+    odd count (17-32 positions past a step) they read one tile past the last head's, off the end
+    of the array, which crashed a served prompt (SIGSEGV) where the page after it was unmapped."""
+    keys = np.random.default_rng(seen).standard_normal((2, seen, 64)).astype(np.float32)
+    packed = amx_attention._pack(keys.view(np.uint32), True)
+    assert packed.shape[2] * amx_attention.COLUMNS == -(-seen // amx_attention.PAIRS) * amx_attention.PAIRS
+    assert not packed[:, :, -(-seen // amx_attention.COLUMNS):].any()
+
 def test_keys_a_query_does_not_see_get_exactly_zero_weight() -> None:
     """Values past a query's position (and before its window) as large as 1e30 leave its output as
     it was: their weights are 0, not exp(-87) (Cephes' exponential's floor)."""

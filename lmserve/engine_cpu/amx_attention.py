@@ -214,13 +214,14 @@ def _split(bits, hi, lo, whole, rest):  # noqa: ANN001, ANN202
 @njit(parallel=True, nogil=True, cache=True)
 def _pack(rows, keys):  # noqa: ANN001, ANN202
     """`rows [kv_heads, seen, head]` (their bits) as B tiles, uint16 (hi, then lo), positions past
-    `seen` zeros. `keys`, the scores': `[kv_heads, 2, seen / 16, head / 32, 512]`, tile j's step s
-    row i column n the dimensions 32 s + 2 i and + 1 of position 16 j + n. Else the mix's:
-    `[kv_heads, 2, head / 16, seen / 32, 512]`, tile j's step s row i column d positions 32 s +
-    2 i and + 1 at dimension 16 j + d."""
+    `seen` zeros, to a whole step of 32. `keys`, the scores': `[kv_heads, 2, seen / 16, head / 32,
+    512]`, tile j's step s row i column n the dimensions 32 s + 2 i and + 1 of position 16 j + n
+    (an even count of tiles: the scores' products take them in pairs, and an odd one read past
+    the last head's, off the end of the array). Else the mix's: `[kv_heads, 2, head / 16, seen /
+    32, 512]`, tile j's step s row i column d positions 32 s + 2 i and + 1 at dimension 16 j + d."""
     kv_heads, seen, head = rows.shape
     per = COLUMNS if keys else PAIRS  # positions a unit lays out
-    units = -(-seen // per)
+    units = -(-seen // PAIRS) * (PAIRS // per)
     outer, inner = (units, head // PAIRS) if keys else (head // COLUMNS, units)
     packed = np.zeros((kv_heads, 2, outer, inner, ROWS * PAIRS), np.uint16)
     for unit in prange(kv_heads * units):
