@@ -20,7 +20,7 @@ from lmserve.engine_mlx.distributed.wire import Op, broadcast, words_of
 from lmserve.engine_mlx.kv import MLXKVCache
 
 T = TypeVar("T")
-STOP_S = 1.0  # after a stop signal, a call waiting longer on the other ranks is a lost rank
+STOP_S = 2.0  # after a stop signal, a call waiting longer on the other ranks is a lost rank (1 s: a busy runner's slow rank)
 STOP_GRACE_S = 0.5  # and the steps go on this much longer, for the watchdog to name it first
 
 
@@ -93,10 +93,10 @@ class LockstepEngine(Engine[MLXKVCache]):
 
     def stopping(self, then: Callable[[], None]) -> None:
         """The server was told to stop (mlx.launch sends that to every rank when one exits): a
-        call, now or later, still waiting on the other ranks a second after it began is taken for
-        a lost rank, well within uvicorn's graceful shutdown, so open streams get the in-band error.
-        `then` (stopping the worker) runs only after that second and a half: a worker stopped at
-        once, between two steps, would end the streams as a plain shutdown, naming no lost rank."""
+        call, now or later, still waiting on the other ranks STOP_S after it began is taken for a
+        lost rank, within uvicorn's graceful shutdown (3 s), so open streams get the in-band error.
+        `then` (stopping the worker) runs only STOP_GRACE_S after that: a worker stopped at once,
+        between two steps, would end the streams as a plain shutdown, naming no lost rank."""
         self._watchdog.hurry(STOP_S, f"still waiting on the other ranks {STOP_S:.0f} s after the stop signal")
         threading.Timer(STOP_S + STOP_GRACE_S, then).start()
 
