@@ -71,6 +71,15 @@ def test_one_slow_pass_does_not_hand_two_threads_over_to_one() -> None:
         assert run(tuner, machine, 100).count(1) <= 4
 
 
+def test_passes_that_slow_down_for_both_counts_do_not_keep_trying_the_slower_one() -> None:
+    """Four served MoE streams: two-thread passes of 7 ms early on, then 12-13 ms (one thread 19)
+    for the rest of the replies. The slowdown sets off a trial, which two threads win; later
+    passes are held against their new pace, not the 7 ms, so trials back off again (each trial
+    at once, two passes of every three ran on one thread)."""
+    tuner = ThreadTuner(2, lambda n, wide: None, 24)
+    run(tuner, {1: 0.012, 2: 0.007}, 10, rows=4)
+    assert run(tuner, {1: 0.019, 2: 0.0125}, 300, rows=4).count(1) <= 12
+
 def test_a_trial_is_not_lost_to_waking_the_other_count_s_threads() -> None:
     """The first pass after a switch of count ran 1.3-1.5 ms slower: once the core is free again,
     the first trial of two threads must win, not lose to that pass."""

@@ -8,7 +8,9 @@ not fixed at start: the tuner runs each pass shape (by its row count) with its b
 now and then tries another count, and keeps whichever the measured times favour. A trial that
 loses waits twice as long before the next one, so a machine whose load holds steady pays for
 trials rarely; a best count whose passes grow much slower than they were (load arrived) gets a
-trial at once.
+trial at once, and if it keeps winning, its slower pace is what later passes are held against:
+held against its fastest ever, four served MoE streams (two threads 12-13 ms a pass, one 19,
+after 7 ms ones early on) tried one thread at every other pass and ran two thirds of them there.
 
 A count stands for the median of its last few passes, not a moving average: one slow pass (a page
 fault, a burst of the HTTP thread or another process) once raised a two-thread average enough to
@@ -134,8 +136,8 @@ class ThreadTuner:
             shape.best, shape.lowest, shape.wait = count, shape.trial_fastest, FIRST_TRIAL
             shape.recent.clear()
             shape.recent.append(shape.trial_fastest)
-        else:
-            shape.wait = min(LAST_TRIAL, shape.wait * 2)
+        else:  # the best count's pace now is the one to hold later passes against
+            shape.lowest, shape.wait = shape.median(), min(LAST_TRIAL, shape.wait * 2)
         shape.until_trial = shape.wait
 
 
