@@ -87,10 +87,8 @@ def _experts(x: np.ndarray, m: ExpertWeights, chosen: np.ndarray, weights: np.nd
     kernel = ops.compiled("moe_kernel")
     if kernel is not None:
         out = np.empty((n, y.shape[1]), np.float32)
-        places = np.empty_like(order)
-        places[order] = np.arange(len(order))
         pair_weights = np.ascontiguousarray(weights, np.float32).ravel()
-        ops.in_parts(lambda lo, hi: kernel.add_weighted(y, pair_weights, places, k, out, lo, hi), n, y.size,
+        ops.in_parts(lambda lo, hi: kernel.add_weighted(y, pair_weights, order, k, out, lo, hi), n, y.size,
                      ops.THREADED_ROWS)
         return out
     y *= weights.ravel()[order, None]

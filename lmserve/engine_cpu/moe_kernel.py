@@ -99,20 +99,21 @@ def moe_half(h, norm, eps, router, topk_softmax, k, gate_up, down):  # noqa: ANN
     hidden = np.empty((len(order), both.shape[1] // 2), np.float32)
     silu_mul(both, hidden)
     y = _grouped_times(hidden, *down, groups, firsts)
-    places = np.empty_like(order)
-    places[order] = np.arange(len(order))
     out = np.empty_like(h)
-    add_weighted(y, pair_weights, places, k, out, 0, n)
+    add_weighted(y, pair_weights, order, k, out, 0, n)
     h += out
 
 
 @njit(cache=True, nogil=True)
-def add_weighted(y, weights, places, k, out, lo, hi):  # noqa: ANN001, ANN201, PLR0913
-    """`out[r]` = row r's k experts' outputs `y[places[pair]]` times `weights[pair]` (pair = r * k +
-    slot), added to zeros in the order of their places, for rows `lo:hi`. `y` is grouped by
-    expert (`places` is where each pair went), so each row gets its outputs in the experts' order,
-    and a range of rows needs no other's: a prompt pass splits them between the CPUs
-    (`moe._experts`). One pass over `y`, where scaling it, gathering it by row and summing took three."""
+def add_weighted(y, weights, order, k, out, lo, hi):  # noqa: ANN001, ANN201, PLR0913
+    """`out[r]` = row r's k experts' outputs times `weights[pair]` (pair = r * k + slot), added to
+    zeros in the experts' order, for rows `lo:hi`. Row i of `y` is pair `order[i]`'s output (the
+    pairs grouped by expert), so a row's outputs are found where its pairs went, and a range of
+    rows needs no other's: a prompt pass splits them between the CPUs (`moe._experts`). One pass
+    over `y`, where scaling it, gathering it by row and summing took three."""
+    places = np.empty_like(order)  # where each pair's output is in `y`
+    for i in range(len(order)):
+        places[order[i]] = i
     pairs = np.empty(k, np.int64)
     for r in range(lo, hi):
         for slot in range(k):  # row r's pairs by place: an insertion sort of k
