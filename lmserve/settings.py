@@ -92,7 +92,7 @@ class Settings:
         "auto", "how the NumPy engine multiplies activations with quantized weights: int8 quantizes them to "
                 "int8 per block and multiplies integers, as llama.cpp does (one-row products 1.3-2.4x faster, logits "
                 "within about 1% of float32's); float32 multiplies the file's values in float32, the same "
-                "result on every CPU (default auto: int8 where the CPU has AVX-512 VNNI, else float32; env "
+                "result on every CPU (default auto: int8 where the CPU has AVX-512 VNNI or AVX2, else float32; env "
                 "LMSERVE_CPU_DOTS)", choices=("auto", "int8", "float32"))
     distributed: str | None = setting(
         None, "shard the model across the ranks mlx.launch starts: tensor (the default) or pipeline parallel "

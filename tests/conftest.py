@@ -11,7 +11,7 @@ import tempfile
 # does not. Set before NumPy loads; production keeps the BLAS default, and so do scripts/ benches.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # The goldens are an f32 reference's: engines and servers multiply in float32 unless a test asks
-# for int8 activations (--cpu-dots int8, the default on AVX-512 VNNI CPUs; see int8_dots below).
+# for int8 activations (--cpu-dots int8, the default on AVX-512 VNNI and AVX2 CPUs; see int8_dots below).
 os.environ["LMSERVE_CPU_DOTS"] = "float32"
 # A developer's own ~/.config/lmserve/config.toml must not reach the servers the suite starts.
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="lmserve-test-config-")
@@ -96,13 +96,13 @@ def planner(qwen3):
 
 @pytest.fixture
 def int8_dots(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The NumPy engine's products with int8 activations, where this CPU has them, on the VNNI
-    kernels (whose rows have their one-row bits at any count): the AMX tiles' tests turn those on
+    """The NumPy engine's products with int8 activations, where this CPU has them, on the VNNI (or
+    AVX2) kernels (whose rows have their one-row bits at any count): the AMX tiles' tests turn those on
     themselves (tests/test_amx_kernels.py)."""
     from lmserve.engine_cpu import amx_kernels, int8_kernels
 
     if not int8_kernels.available():
-        pytest.skip("int8 activations need AVX-512 VNNI")
+        pytest.skip("int8 activations need AVX-512 VNNI or AVX2")
     monkeypatch.setattr(int8_kernels, "ENABLED", True)
     monkeypatch.setenv(amx_kernels.ENV, "off")
 

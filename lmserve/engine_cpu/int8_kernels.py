@@ -22,7 +22,12 @@ less 128 times their own sum (one more `vpdpbusd`, against ones).
 For every packed form, x is stored in the order the nibbles' low and high halves split a
 128-value group (`_quantize`).
 
-Only where the CPU has AVX-512 VNNI (`available`); elsewhere the float kernels run.
+Where the CPU has AVX2 but not AVX-512 VNNI (AMD's Zen 1-3, Intel's client cores), the same IR
+runs on AVX2's instructions (`_Step.dot`): `vpmaddubsw` sums byte products in pairs into int16
+and `vpmaddwd` the pairs into int32, as llama.cpp's AVX2 kernels do, a 512-bit vector as two
+256-bit registers; the sums are the same integers, so the results are the same bits. Signed
+weights there take x's sign instead of x + 128 (`_Step.signed_dot`), whose pairs would overflow
+int16. Without either (`available`), the float kernels run.
 """
 
 from __future__ import annotations
@@ -58,16 +63,24 @@ INT8_WIDE_ROWS = 128  # the most rows of int8 values a product runs here (`wide_
 # behind code choices). Either way a row gets the same bits.
 COLUMN_ROWS = 16
 _FEATURES = ("avx512vnni", "avx512bw", "avx512vl")
+_AVX2_FEATURES = ("avx2", "fma")
 
 
 llvm.initialize_native_asmparser()  # Numba's JIT then reads `_Step.scaled_dot`'s inline assembly
 
 
+def _has(names: tuple[str, ...]) -> bool:
+    features = llvm.get_host_cpu_features()  # LLVM compiles for the host, as Numba does
+    return all(features.get(name, False) for name in names)
+
+
+VNNI = _has(_FEATURES)  # the byte products' instructions: AVX-512 VNNI's, else AVX2's (`_Step.dot`)
+
+
 @functools.cache
 def available() -> bool:
-    """Whether this CPU has the instructions (LLVM compiles for the host, as Numba does)."""
-    features = llvm.get_host_cpu_features()
-    return all(features.get(name, False) for name in _FEATURES)
+    """Whether this CPU has the instructions: AVX-512 VNNI's, or AVX2's slower equivalents."""
+    return VNNI or _has(_AVX2_FEATURES)
 
 
 ENV = "LMSERVE_CPU_DOTS"  # `float32`: the float kernels by default (the test suite sets it: --cpu-dots)
@@ -79,13 +92,13 @@ def choose(dots: str) -> None:
     leave the default); ModelLoadError for int8 on a CPU without the instructions."""
     global ENABLED  # noqa: PLW0603  (one choice per process, as the CPU's features are)
     if dots == "int8" and not available():
-        raise ModelLoadError(f"--cpu-dots int8 needs AVX-512 VNNI ({', '.join(_FEATURES)}), which this CPU lacks")
+        raise ModelLoadError(f"--cpu-dots int8 needs AVX-512 VNNI or AVX2 ({', '.join(_AVX2_FEATURES)}), which this CPU lacks")
     if dots != "auto":
         ENABLED = dots == "int8"
 
 
 def takes(values: np.dtype) -> bool:
-    """Whether a matrix whose values have this dtype runs here (the integer forms, on a VNNI CPU)."""
+    """Whether a matrix whose values have this dtype runs here (the integer forms, on a VNNI or AVX2 CPU)."""
     return ENABLED and (values == INT8 or values in UNSIGNED or values in TABLES)
 
 
@@ -134,15 +147,7 @@ class _Step:
         self.bytes = width // 2  # bytes a vector: a 512-bit one for WIDE, 128-bit for NARROW
         self.lanes = self.bytes // 4  # int32 lanes a vector
         self.blocks = width // size
-        bytes_vector, lanes_vector = _vector(I8, self.bytes), _vector(I32, self.lanes)
-        self.dot = cgutils.get_or_insert_function(
-            self.b.module, ir.FunctionType(lanes_vector, [lanes_vector, bytes_vector, bytes_vector]),
-            f"llvm.x86.avx512.vpdpbusd.{self.bytes * 8}")
-        self._scaled_dot_type = ir.FunctionType(lanes_vector, [lanes_vector] * 3)
-        self.shuffle = cgutils.get_or_insert_function(
-            self.b.module, ir.FunctionType(bytes_vector, [bytes_vector] * 2),
-            "llvm.x86.avx512.pshuf.b.512" if width == WIDE else "llvm.x86.ssse3.pshuf.b.128")
-        self.zero = ir.Constant(lanes_vector, [0] * self.lanes)
+        self.zero = ir.Constant(_vector(I32, self.lanes), [0] * self.lanes)
         # Each of the two vectors' int32 lanes -> the block (of this step) its 4 products are in.
         if self.nibble_order:  # lane l: 16-byte chunk l // 4 of the low halves (values 0-15 of 32) or high (16-31)
             self.maps = [[(32 * (lane // 4) + half) // size for lane in range(self.lanes)] for half in (0, 16)]
@@ -150,12 +155,83 @@ class _Step:
             self.maps = [[(part * self.bytes + 4 * lane) // size for lane in range(self.lanes)] for part in (0, 1)]
         self.product_maps = self.maps[:1] if self.maps[0] == self.maps[1] else self.maps  # `products`' vectors'
 
+    def _intrinsic(self, name: str, result: ir.Type, *arguments: ir.Type) -> ir.Function:
+        return cgutils.get_or_insert_function(self.b.module, ir.FunctionType(result, arguments), name)
+
+    def _chunks(self, vector: ir.Value, count: int) -> list[ir.Value]:
+        """`vector` as `count` equal vectors of consecutive lanes (512 bits as AVX2's 256)."""
+        width = vector.type.count // count
+        return [self.b.shuffle_vector(vector, vector, ir.Constant(_vector(I32, width), list(range(c * width, (c + 1) * width))))
+                for c in range(count)]
+
+    def _joined(self, chunks: list[ir.Value]) -> ir.Value:
+        """`_chunks`' inverse: the vectors' lanes one after another (a power of two of them)."""
+        while len(chunks) > 1:
+            width = chunks[0].type.count * 2
+            chunks = [self.b.shuffle_vector(a, c, ir.Constant(_vector(I32, width), list(range(width))))
+                      for a, c in zip(chunks[::2], chunks[1::2], strict=True)]
+        return chunks[0]
+
+    def _by_register(self, name: str, result: ir.Type, bits: int, *vectors: ir.Value) -> ir.Value:
+        """AVX2 instruction `name` (taking vectors of `bits` and giving `result`'s lanes' type) on
+        each register-wide chunk of `vectors`, joined: a 512-bit vector is two 256-bit registers."""
+        count = max(1, vectors[0].type.count * vectors[0].type.element.width // bits)
+        chunked = [self._chunks(v, count) for v in vectors]
+        lanes = _vector(result, bits // result.width)
+        function = self._intrinsic(name, lanes, *(c[0].type for c in chunked))
+        return self._joined([self.b.call(function, list(parts)) for parts in zip(*chunked, strict=True)])
+
+    def _avx2(self, wide: str, narrow: str) -> tuple[str, int]:
+        return (wide, 256) if self.width == WIDE else (narrow, 128)
+
+    def dot(self, total: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
+        """`total` + each int32 lane's four byte products of `unsigned` and `signed` (`vpdpbusd`).
+        On AVX2, `vpmaddubsw` (pairs into int16, saturating: each pair's sum must fit, as it does
+        with the unsigned side at most 63 or the signed one at most 127 against at most 128)
+        and `vpmaddwd` against ones."""
+        if VNNI:
+            return self.b.call(self._intrinsic(f"llvm.x86.avx512.vpdpbusd.{self.bytes * 8}", total.type, total.type,
+                                               unsigned.type, signed.type), [total, unsigned, signed])
+        name, bits = self._avx2("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.ssse3.pmadd.ub.sw.128")
+        pairs = self._by_register(name, I16, bits, unsigned, signed)
+        ones = ir.Constant(pairs.type, [1] * pairs.type.count)
+        name, bits = self._avx2("llvm.x86.avx2.pmadd.wd", "llvm.x86.sse2.pmadd.wd")
+        return self.b.add(total, self._by_register(name, I32, bits, pairs, ones))
+
+    def shuffle(self, table: ir.Value, indices: ir.Value) -> ir.Value:
+        """Each byte of `indices` (0..15) looked up in its 16-byte lane of `table` (`vpshufb`)."""
+        if VNNI or self.width == NARROW:
+            name = "llvm.x86.avx512.pshuf.b.512" if self.width == WIDE else "llvm.x86.ssse3.pshuf.b.128"
+            return self.b.call(self._intrinsic(name, table.type, table.type, indices.type), [table, indices])
+        return self._by_register("llvm.x86.avx2.pshuf.b", I8, 256, table, indices)
+
+    def signed_dot(self, total: ir.Value, weights: ir.Value, x: ir.Value) -> ir.Value:
+        """`total` + each int32 lane's four products of signed `weights` and x stored as xq + 128
+        (`_quantize`), less 128 times the weights' sums (`weight_sums`, taken off by the caller)
+        on VNNI. AVX2's pairs of x + 128 (up to 255) against weights up to 127 would saturate
+        int16, so there x is xq again and the sign moves to it, as llama.cpp's AVX2 kernels do:
+        |w| times sign(w) * xq, nothing to take off."""
+        if VNNI:
+            return self.dot(total, x, weights)
+        xq = self.b.xor(x, ir.Constant(x.type, [-128] * x.type.count))
+        negative = self.b.icmp_signed("<", weights, ir.Constant(weights.type, [0] * weights.type.count))
+        magnitudes = self.b.select(negative, self.b.sub(ir.Constant(weights.type, [0] * weights.type.count), weights),
+                                   weights)
+        name, bits = self._avx2("llvm.x86.avx2.psign.b", "llvm.x86.ssse3.psign.b.128")
+        return self.dot(total, magnitudes, self._by_register(name, I8, bits, xq, weights))
+
     def scaled_dot(self, total: ir.Value, products: ir.Value, scales: ir.Value) -> ir.Value:
         """`total` + each lane's two int16 halves of `products` times those of `scales` (`vpdpwssd`),
         as one instruction: LLVM's intrinsic becomes `vpmaddwd` and `vpaddd` where the total is not
-        zero (a shorter latency, but one more instruction where the loops are bound by them)."""
-        return self.b.asm(self._scaled_dot_type, "vpdpwssd $3, $2, $0", "=v,0,v,v", [total, products, scales],
-                          side_effect=False)
+        zero (a shorter latency, but one more instruction where the loops are bound by them); on
+        AVX2, those two."""
+        if not VNNI:
+            halves = _vector(I16, 2 * products.type.count)
+            name, bits = self._avx2("llvm.x86.avx2.pmadd.wd", "llvm.x86.sse2.pmadd.wd")
+            return self.b.add(total, self._by_register(name, I32, bits, self.b.bitcast(products, halves),
+                                                       self.b.bitcast(scales, halves)))
+        return self.b.asm(ir.FunctionType(total.type, [total.type] * 3), "vpdpwssd $3, $2, $0", "=v,0,v,v",
+                          [total, products, scales], side_effect=False)
 
     def weights(self, qrow: ir.Value, first: ir.Value) -> list[ir.Value]:
         """The row's two byte vectors from value `first` on: two int8 halves, or the nibbles' low
@@ -185,7 +261,7 @@ class _Step:
         if self.table is None:
             return nibbles
         levels = ir.Constant(vector, [level & 0xFF for level in self.table] * (self.bytes // 16))
-        return [b.call(self.shuffle, [levels, n]) for n in nibbles]
+        return [self.shuffle(levels, n) for n in nibbles]
 
     def _two_bits(self, data: ir.Value, at: ir.Value, shift: int) -> list[ir.Value]:
         """The two 64-byte vectors of 2-bit values that the 32 bytes at byte `at` hold (SIXBITS'
@@ -223,12 +299,13 @@ class _Step:
         return [b.shuffle_vector(subs, subs, ir.Constant(lanes, lane_map)) for lane_map in self.product_maps]
 
     def weight_sums(self, weights: list[ir.Value]) -> list[ir.Value] | None:
-        """Signed weights: 128 times their sums per lane, to take off the products with x + 128."""
-        if self.unsigned:
+        """Signed weights on VNNI: 128 times their sums per lane, to take off the products with
+        x + 128 (`signed_dot`)."""
+        if self.unsigned or not VNNI:
             return None
         ones = ir.Constant(_vector(I8, self.bytes), [1] * self.bytes)
         seven = ir.Constant(_vector(I32, self.lanes), [7] * self.lanes)
-        return [self.b.shl(self.b.call(self.dot, [self.zero, ones, w]), seven) for w in weights]
+        return [self.b.shl(self.dot(self.zero, ones, w), seven) for w in weights]
 
     def activations(self, xrow: ir.Value, first: ir.Value) -> list[ir.Value]:
         """An x row's two byte vectors from value `first` on, laid out as `weights` pairs them."""
@@ -240,16 +317,14 @@ class _Step:
         """`q . xq` per int32 lane, as (vector, its lanes' blocks); the two vectors are added
         when their lanes hold the same blocks (nibbles of blocks of 32)."""
         b = self.b
-        if self.unsigned:
-            dots = [(w, x) for w, x in zip(weights, xs, strict=True)]
-        else:
-            dots = [(x, w) for w, x in zip(weights, xs, strict=True)]  # x + 128 the unsigned side
+        dot = self.dot if self.unsigned else self.signed_dot
+        pairs = list(zip(weights, xs, strict=True))
         if len(self.product_maps) == 1:
-            product = b.call(self.dot, [b.call(self.dot, [self.zero, *dots[0]]), *dots[1]])
+            product = dot(dot(self.zero, *pairs[0]), *pairs[1])
             if sums is not None:
                 product = b.sub(product, b.add(sums[0], sums[1]))
             return [(product, self.maps[0])]
-        products = [b.call(self.dot, [self.zero, *dot]) for dot in dots]
+        products = [dot(self.zero, *pair) for pair in pairs]
         if sums is not None:
             products = [b.sub(product, total) for product, total in zip(products, sums, strict=True)]
         return list(zip(products, self.maps, strict=True))
