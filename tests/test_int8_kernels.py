@@ -97,16 +97,16 @@ def test_int8_rows_get_the_same_bits_whatever_they_are_batched_with(qtype: GGMLQ
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize(("qtype", "most"), [(T.Q4_K, 256), (T.Q8_0, int8_kernels.INT8_WIDE_ROWS)],
-                         ids=["nibbles", "int8"])
-def test_prompt_chunks_of_whole_wide_steps_run_the_int8_kernels(qtype: GGMLQuantizationType, most: int,
-                                                               int8_dots: None) -> None:
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0], ids=["nibbles", "int8"])
+def test_prompt_chunks_of_whole_wide_steps_run_the_int8_kernels(qtype: GGMLQuantizationType, int8_dots: None) -> None:
     """A prompt chunk's product with rows of whole 128-value steps stays on the int8 kernels
     (each row gets its one-row bits, which BLAS's rounding would not give): nibbles at any width,
-    int8 values up to INT8_WIDE_ROWS rows. Rows ending in 32-value steps, matrices under
-    WIDE_VALUES values and float32 activations dequantize for BLAS past KERNEL_ROWS."""
+    int8 values up to INT8_WIDE_ROWS rows with VNNI (on AVX2, KERNEL_ROWS). Rows ending in
+    32-value steps, matrices under WIDE_VALUES values and float32 activations dequantize for BLAS
+    past KERNEL_ROWS."""
+    most = 256 if qtype == T.Q4_K else int8_kernels.INT8_WIDE_ROWS if int8_kernels.VNNI else KERNEL_ROWS
     matrix, _ = encoded_matrix(qtype, WIDE_VALUES // 512, 512)
-    assert matrix.kernel_rows >= most
+    assert matrix.kernel_rows == (most if qtype == T.Q8_0 else sys.maxsize)
     x = np.random.default_rng(4).standard_normal((most, 512)).astype(np.float32)
     chunk = matrix.times(x)
     for i in range(len(x)):
@@ -121,11 +121,11 @@ def test_prompt_chunks_of_whole_wide_steps_run_the_int8_kernels(qtype: GGMLQuant
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_a_prompt_chunks_expert_groups_give_each_row_its_experts_own_bits(qtype: GGMLQuantizationType,
                                                                           int8_dots: None) -> None:
-    """Groups of a decode step's size and past INT8_WIDE_ROWS, in one call: all in the grouped
+    """Groups of a decode step's size and past VNNI's INT8_WIDE_ROWS, in one call: all in the grouped
     kernel (each row its one-row bits), though each expert alone is under WIDE_VALUES, since the
     call reads the stack. With float32 activations the large group is on BLAS (its rows those of
     that expert's own product)."""
-    experts, rows_each, large = 8, WIDE_VALUES // 512 // 4, int8_kernels.INT8_WIDE_ROWS + 10
+    experts, rows_each, large = 8, WIDE_VALUES // 512 // 4, 138
     stack = ExpertStack(encoded_matrix(qtype, experts * rows_each, 512)[0], experts)
     assert stack[0].kernel_rows == KERNEL_ROWS  # alone, an expert's chunk would go to BLAS
     x = np.random.default_rng(5).standard_normal((large + 5, 512)).astype(np.float32)

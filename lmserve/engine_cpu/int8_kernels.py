@@ -55,7 +55,9 @@ WIDE, NARROW = 128, 32  # values a step: 512-bit vectors, then 128-bit ones past
 # launch cost more than it gained (figures: docs/PERFORMANCE.md, measurements behind code choices).
 PARALLEL_VALUES = 1 << 15
 RUN = 16  # x values quantized and stored together: nibbles' x moves in runs of 16 (`_quantize`)
-INT8_WIDE_ROWS = 128  # the most rows of int8 values a product runs here (`wide_rows`)
+# The most rows of int8 values a product runs here (`wide_rows`); on AVX2, whose signed products
+# take two more instructions, none: BLAS won at 64-128 rows (figures: docs/PERFORMANCE.md).
+INT8_WIDE_ROWS = 128
 # Up to this many x rows (a decode step's, a verify pass's, a decode step's expert groups), a
 # product runs a matrix row at a time: from memory, tiles of OUTS rows ran 1.3-1.4x slower on
 # expert groups of one or two rows and 5-15% slower on SmolLM2's matrices at 2-16 rows; at 64-256
@@ -124,7 +126,9 @@ def wide_rows(values: np.dtype, columns: int) -> int:
     choices)."""
     if not takes(values) or columns % WIDE:
         return 0
-    return INT8_WIDE_ROWS if values == INT8 else sys.maxsize
+    if values == INT8:
+        return INT8_WIDE_ROWS if VNNI else 0
+    return sys.maxsize
 
 
 def _vector(element: ir.Type, count: int) -> ir.VectorType:
@@ -185,18 +189,27 @@ class _Step:
         return (wide, 256) if self.width == WIDE else (narrow, 128)
 
     def dot(self, total: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
-        """`total` + each int32 lane's four byte products of `unsigned` and `signed` (`vpdpbusd`).
-        On AVX2, `vpmaddubsw` (pairs into int16, saturating: each pair's sum must fit, as it does
-        with the unsigned side at most 63 or the signed one at most 127 against at most 128)
-        and `vpmaddwd` against ones."""
+        """`total` + each int32 lane's four byte products of `unsigned` and `signed` (`vpdpbusd`;
+        on AVX2, `pair_sums` widened)."""
         if VNNI:
             return self.b.call(self._intrinsic(f"llvm.x86.avx512.vpdpbusd.{self.bytes * 8}", total.type, total.type,
                                                unsigned.type, signed.type), [total, unsigned, signed])
+        return self.b.add(total, self.widened(self.pair_sums(unsigned, signed)))
+
+    def pair_sums(self, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
+        """AVX2's `vpmaddubsw`: each int16 lane the sum of two byte products, saturating, so each
+        pair's sum must fit, as it does with the unsigned side at most 63 or the signed one at
+        most 127 against at most 128."""
         name, bits = self._avx2("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.ssse3.pmadd.ub.sw.128")
-        pairs = self._by_register(name, I16, bits, unsigned, signed)
-        ones = ir.Constant(pairs.type, [1] * pairs.type.count)
+        return self._by_register(name, I16, bits, unsigned, signed)
+
+    def widened(self, pairs: ir.Value, factors: ir.Value | None = None) -> ir.Value:
+        """AVX2's `vpmaddwd`: each int32 lane the sum of its two int16 lanes of `pairs`, each times
+        that lane of `factors` (an int32 vector's halves; None: ones)."""
+        halves = pairs.type
+        factors = ir.Constant(halves, [1] * halves.count) if factors is None else self.b.bitcast(factors, halves)
         name, bits = self._avx2("llvm.x86.avx2.pmadd.wd", "llvm.x86.sse2.pmadd.wd")
-        return self.b.add(total, self._by_register(name, I32, bits, pairs, ones))
+        return self._by_register(name, I32, bits, pairs, factors)
 
     def shuffle(self, table: ir.Value, indices: ir.Value) -> ir.Value:
         """Each byte of `indices` (0..15) looked up in its 16-byte lane of `table` (`vpshufb`)."""
@@ -223,13 +236,7 @@ class _Step:
     def scaled_dot(self, total: ir.Value, products: ir.Value, scales: ir.Value) -> ir.Value:
         """`total` + each lane's two int16 halves of `products` times those of `scales` (`vpdpwssd`),
         as one instruction: LLVM's intrinsic becomes `vpmaddwd` and `vpaddd` where the total is not
-        zero (a shorter latency, but one more instruction where the loops are bound by them); on
-        AVX2, those two."""
-        if not VNNI:
-            halves = _vector(I16, 2 * products.type.count)
-            name, bits = self._avx2("llvm.x86.avx2.pmadd.wd", "llvm.x86.sse2.pmadd.wd")
-            return self.b.add(total, self._by_register(name, I32, bits, self.b.bitcast(products, halves),
-                                                       self.b.bitcast(scales, halves)))
+        zero (a shorter latency, but one more instruction where the loops are bound by them)."""
         return self.b.asm(ir.FunctionType(total.type, [total.type] * 3), "vpdpwssd $3, $2, $0", "=v,0,v,v",
                           [total, products, scales], side_effect=False)
 
@@ -292,10 +299,13 @@ class _Step:
 
     def lane_scales(self, srow: ir.Value, block: ir.Value) -> list[ir.Value]:
         """A superblock form's int8 sub-block scales from `block` on, one int32 vector for each
-        of `products`' vectors: each lane's scale as the low int16 (the high one 0), for `vpdpwssd`."""
+        of `products`' vectors: each lane's scale as the low int16 (the high one 0), for `vpdpwssd`;
+        on AVX2 as both int16 halves, one for each of the lane's `pair_sums` (`scaled_products`)."""
         b, lanes = self.b, _vector(I32, self.lanes)
         subs = b.zext(b.sext(self.k.load_vector(srow, block, _vector(I8, self.blocks)), _vector(I16, self.blocks)),
                       _vector(I32, self.blocks))
+        if not VNNI:
+            subs = b.or_(subs, b.shl(subs, ir.Constant(subs.type, [16] * self.blocks)))
         return [b.shuffle_vector(subs, subs, ir.Constant(lanes, lane_map)) for lane_map in self.product_maps]
 
     def weight_sums(self, weights: list[ir.Value]) -> list[ir.Value] | None:
@@ -319,6 +329,9 @@ class _Step:
         b = self.b
         dot = self.dot if self.unsigned else self.signed_dot
         pairs = list(zip(weights, xs, strict=True))
+        if not VNNI and self.unsigned:
+            return [(self.widened(pair_sums), lane_map)
+                    for pair_sums, lane_map in zip(self.pair_sums_of(weights, xs), self.product_maps, strict=True)]
         if len(self.product_maps) == 1:
             product = dot(dot(self.zero, *pairs[0]), *pairs[1])
             if sums is not None:
@@ -328,6 +341,26 @@ class _Step:
         if sums is not None:
             products = [b.sub(product, total) for product, total in zip(products, sums, strict=True)]
         return list(zip(products, self.maps, strict=True))
+
+    def pair_sums_of(self, weights: list[ir.Value], xs: list[ir.Value]) -> list[ir.Value]:
+        """AVX2, the unsigned forms: `pair_sums` of the two vectors, added in int16 when their
+        lanes hold the same blocks (a pair of at most 63 * 127 twice, then two such: within
+        32,767), so one `vpmaddwd` widens both."""
+        sums = [self.pair_sums(w, x) for w, x in zip(weights, xs, strict=True)]
+        return [self.b.add(*sums)] if len(self.product_maps) == 1 else sums
+
+    def scaled_products(self, total: ir.Value, weights: list[ir.Value], xs: list[ir.Value],
+                        scales: list[ir.Value]) -> ir.Value:
+        """`total` + the superblock forms' products, each lane's times its sub-block scale
+        (`lane_scales`): `vpdpwssd` on the int32 products; on AVX2, `vpmaddwd` on the int16 pair
+        sums themselves, the scale in both halves, which saves widening them first."""
+        if VNNI:
+            for (product, _), lane_scales in zip(self.products(weights, None, xs), scales, strict=True):
+                total = self.scaled_dot(total, product, lane_scales)
+            return total
+        for sums, lane_scales in zip(self.pair_sums_of(weights, xs), scales, strict=True):
+            total = self.b.add(total, self.widened(sums, lane_scales))
+        return total
 
 
 def _dots(rows: int, outs: int, unpacked: bool):  # noqa: ANN202  (a Numba intrinsic)
@@ -438,8 +471,7 @@ def _dots(rows: int, outs: int, unpacked: bool):  # noqa: ANN202  (a Numba intri
                                                         lanes_i) for m in range(len(step.product_maps))]
                             weights = weights_of(step, j, first)
                             for r in range(rows):
-                                for (product, _), lane_scales in zip(step.products(weights, None, xs[r]), scales, strict=True):
-                                    integer[j][r] = step.scaled_dot(integer[j][r], product, lane_scales)
+                                integer[j][r] = step.scaled_products(integer[j][r], weights, xs[r], scales)
                     dxs = [b.load(k.at(row, loop.index)) for row in dxrows]
                     sums = [k.load_vector(row, first_block, blocks) for row in sumrows]
                     factors = b.shl(loop.index, ir.Constant(I64, 1))
@@ -524,18 +556,33 @@ def _by_rows(four, two, one):  # noqa: ANN001, ANN202  (Numba intrinsics in, a N
     return run
 
 
-# Matrix rows `o:o + OUTS`, from `_unpack_tile`'s rows; matrix row `o`, from the matrix itself
-# (`unpacked` unread). Either way a row gets the same bits.
-_tiles = _by_rows(*(_dots(rows, OUTS, unpacked=True) for rows in (4, 2, 1)))
+def _row_by_row(one):  # noqa: ANN001, ANN202  (a Numba intrinsic in, a Numba function out)
+    """`_by_rows` with tiles of one x row."""
+    @njit(inline="always", nogil=True)
+    def run(xq, q, scale, offset, supers, dx, xsum, out, o, r, stop, unpacked):  # noqa: ANN001, ANN202
+        for row in range(r, stop):
+            one(xq, q, scale, offset, supers, dx, xsum, out, o, row, unpacked)
+    return run
+
+
+# A prompt chunk's tiles: on VNNI, OUTS matrix rows by 4, 2 or 1 x rows. AVX2 has half as many
+# registers, each half as wide, and there a tile of 4 matrix rows by one x row was the fastest
+# measured (products of 64 and 512 x rows 1.1-1.7x faster than VNNI's tiles; 8 by 1, 2 by 1 and
+# 4 by 2 slower; figures: docs/PERFORMANCE.md, measurements behind code choices).
+TILE_OUTS = OUTS if VNNI else 4
+# Matrix rows `o:o + TILE_OUTS`, from `_unpack_tile`'s rows; matrix row `o`, from the matrix
+# itself (`unpacked` unread). Either way a row gets the same bits.
+_tiles = (_by_rows(*(_dots(rows, TILE_OUTS, unpacked=True) for rows in (4, 2, 1))) if VNNI
+          else _row_by_row(_dots(1, TILE_OUTS, unpacked=True)))
 _column = _by_rows(*(_dots(rows, 1, unpacked=False) for rows in (4, 2, 1)))
-_unpack_tile = _unpack(OUTS)
+_unpack_tile = _unpack(TILE_OUTS)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _times(x, q, scale, offset, supers, layout, superblocks):  # noqa: ANN001, ANN202
     """x rounded to int8 (one call: a launch's own cost is a few microseconds, and a decode step
     makes 100-400 of them), then its product with the matrix: a matrix row at a time for a few
-    rows of x (COLUMN_ROWS), in tiles of OUTS matrix rows for more."""
+    rows of x (COLUMN_ROWS), in tiles of TILE_OUTS matrix rows for more."""
     size = x.shape[1] // scale.shape[1]
     xq, dx, xsum = _quantize(x, size, SUPERBLOCK if superblocks else size, layout)
     out = np.empty((x.shape[0], q.shape[0]), np.float32)
@@ -543,12 +590,12 @@ def _times(x, q, scale, offset, supers, layout, superblocks):  # noqa: ANN001, A
         for o in prange(q.shape[0]):
             _column(xq, q, scale, offset, supers, dx, xsum, out, o, 0, x.shape[0], xq)
         return out
-    tiles = -(-q.shape[0] // OUTS)
+    tiles = -(-q.shape[0] // TILE_OUTS)
     for p in prange(PARTS):
-        unpacked = np.empty((OUTS, 2 * x.shape[1]), np.int8)
+        unpacked = np.empty((TILE_OUTS, 2 * x.shape[1]), np.int8)
         for tile in range(tiles * p // PARTS, tiles * (p + 1) // PARTS):
-            _unpack_tile(q, scale, unpacked, tile * OUTS)
-            _tiles(xq, q, scale, offset, supers, dx, xsum, out, tile * OUTS, 0, x.shape[0], unpacked)
+            _unpack_tile(q, scale, unpacked, tile * TILE_OUTS)
+            _tiles(xq, q, scale, offset, supers, dx, xsum, out, tile * TILE_OUTS, 0, x.shape[0], unpacked)
     return out
 
 
@@ -566,12 +613,12 @@ def _grouped_times(x, q, scale, offset, supers, layout, superblocks, experts, fi
                 e = experts[g]
                 _column(xq, q[e], scale[e], offset[e], supers[e], dx, xsum, out, o, firsts[g], firsts[g + 1], xq)
         return out
-    tiles = -(-rows // OUTS)
+    tiles = -(-rows // TILE_OUTS)
     bounds = even_work(firsts, tiles, PARTS)  # the threads' tiles by work: groups' rows differ
     for p in prange(PARTS):
-        unpacked = np.empty((OUTS, 2 * x.shape[1]), np.int8)
+        unpacked = np.empty((TILE_OUTS, 2 * x.shape[1]), np.int8)
         for t in range(bounds[p], bounds[p + 1]):
-            g, o = t // tiles, (t % tiles) * OUTS
+            g, o = t // tiles, (t % tiles) * TILE_OUTS
             e = experts[g]
             _unpack_tile(q[e], scale[e], unpacked, o)
             _tiles(xq, q[e], scale[e], offset[e], supers[e], dx, xsum, out, o, firsts[g], firsts[g + 1], unpacked)
