@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64, help="decode steps a round")
     args = parser.parse_args()
     if not int8_kernels.available():
-        raise SystemExit("this CPU lacks AVX-512 VNNI: no int8 activations to compare")
+        raise SystemExit("this CPU lacks AVX-512 VNNI and AVX2: no int8 activations to compare")
     print(f"{'products (16 x 2048 x 4096)':32} {'float32 ms':>11} {'int8 ms':>9} {'float32/int8':>13}")
     for qtype in TYPES:
         for rows in (1, 4):

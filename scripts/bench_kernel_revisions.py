@@ -8,7 +8,7 @@ The other revision's module is loaded beside this one's, and rounds alternate th
   layer halves call this checkout's kernels themselves, so with them both sides would time the same
   code.
 
-Needs a CPU with AVX-512 VNNI (int8 activations).
+Needs a CPU with AVX-512 VNNI or AVX2 (int8 activations).
 
     python scripts/bench_kernel_revisions.py [--against REV] [--model PATH] [--rounds N] [--prompt-tokens N]
 """
@@ -54,7 +54,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
     if not int8_kernels.available():
-        sys.exit("int8 activations need AVX-512 VNNI, which this CPU lacks")
+        sys.exit("int8 activations need AVX-512 VNNI or AVX2, which this CPU lacks")
     int8_kernels.ENABLED = True
     with tempfile.TemporaryDirectory() as directory:
         then = load_revision(args.against, "lmserve/engine_cpu/int8_kernels.py", Path(directory))

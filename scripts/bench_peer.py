@@ -72,7 +72,10 @@ def system_prompt(tokenizer: Tokenizer, tokens: int) -> str:
         return f"[{tag}] You answer questions about these notes.\n{notes}"
 
     per_line = (len(tokenizer.encode(text(100))) - len(tokenizer.encode(text(0)))) / 100
-    return text(max(1, round((tokens - len(tokenizer.encode(text(0)))) / per_line)))
+    lines = max(1, round((tokens - len(tokenizer.encode(text(0)))) / per_line))
+    for _ in range(3):  # later notes' longer numbers take more tokens a line: correct from the count
+        lines = max(1, lines + round((tokens - len(tokenizer.encode(text(lines)))) / per_line))
+    return text(lines)
 
 
 def measure(base_url: str, extra: dict, args: argparse.Namespace, tokenizer: Tokenizer) -> dict[str, float]:

@@ -6,7 +6,7 @@ than KERNEL_ROWS rows to BLAS), best of each kept:
 - with --model, the model's prefill of --prompt-tokens tokens in its 256-token passes, where the
   kernels' and BLAS's threads take turns.
 
-Needs a CPU with AVX-512 VNNI (int8 activations).
+Needs a CPU with AVX-512 VNNI or AVX2 (int8 activations).
 
     python scripts/bench_wide.py [--model PATH [--no-products]] [--prompt-tokens N] [--rounds N]
 """
@@ -46,7 +46,7 @@ def main() -> None:
     p.add_argument("--no-products", action="store_true", help="only the model's prefill")
     args = p.parse_args()
     if not int8_kernels.available():
-        sys.exit("int8 activations need AVX-512 VNNI, which this CPU lacks")
+        sys.exit("int8 activations need AVX-512 VNNI or AVX2, which this CPU lacks")
     int8_kernels.ENABLED = True
     print(f"{'type':6} {'shape':>12}  " + "  ".join(f"{n} rows: kernels/BLAS ms" for n in ROWS))
     for qtype in () if args.no_products else TYPES:

@@ -25,7 +25,8 @@ For every packed form, x is stored in the order the nibbles' low and high halves
 Where the CPU has AVX2 but not AVX-512 VNNI (AMD's Zen 1-3, Intel's client cores), the same IR
 runs on AVX2's instructions (`_Step.dot`): `vpmaddubsw` sums byte products in pairs into int16
 and `vpmaddwd` the pairs into int32, as llama.cpp's AVX2 kernels do, a 512-bit vector as two
-256-bit registers; the sums are the same integers, so the results are the same bits. Signed
+256-bit registers; the sums are the same integers (the K-quants' float sums fold to one
+register's lanes there, `scale_superblock_avx2`, so they round otherwise than VNNI's). Signed
 weights there take x's sign instead of x + 128 (`_Step.signed_dot`), whose pairs would overflow
 int16. Without either (`available`), the float kernels run.
 """
@@ -51,6 +52,7 @@ from lmserve.engine_cpu.qmatrix import CRUMBS, FACTORED, INT8, NIBBLES, SIXBITS,
 from lmserve.model.gguf_file import ModelLoadError
 
 WIDE, NARROW = 128, 32  # values a step: 512-bit vectors, then 128-bit ones past the last whole WIDE
+AVX2_LANES = 8  # float32 lanes of an AVX2 register
 # x values from which `_quantize` runs on the kernels' threads: below, a decode step's rows, the
 # launch cost more than it gained (figures: docs/PERFORMANCE.md, measurements behind code choices).
 PARALLEL_VALUES = 1 << 15
@@ -439,6 +441,29 @@ def _dots(rows: int, outs: int, unpacked: bool):  # noqa: ANN202  (a Numba intri
                                 b.store(b.call(k.fma(blocks), [m, sums[r], b.load(acc_offset[j][r])]), acc_offset[j][r])
                     add_up(acc, acc_offset)
 
+            def scale_superblock_avx2(integer: ir.Value, scale: ir.Value, offsets: ir.Value, sums: ir.Value,
+                                      total: ir.Value) -> None:
+                """AVX2: a superblock's int32 sums `integer` folded to one register's AVX2_LANES
+                (all its lanes share `scale`), converted and multiplied into `total`, the offsets'
+                terms (`offsets` times x's block `sums`) folded into the same register: a 4 x 1
+                tile's accumulators then stay in registers (Q4_K's products of 64-512 rows 1.1-1.3x faster;
+                figures: docs/PERFORMANCE.md). The float sums differ from VNNI's in rounding only."""
+                def chunks(vector: ir.Value) -> list[ir.Value]:
+                    count = vector.type.count // AVX2_LANES
+                    return [b.shuffle_vector(vector, vector, ir.Constant(_vector(I32, AVX2_LANES),
+                                                                          list(range(c * AVX2_LANES, (c + 1) * AVX2_LANES))))
+                            for c in range(count)]
+
+                register = _vector(F32, AVX2_LANES)
+                parts = chunks(integer)
+                folded = parts[0]
+                for part in parts[1:]:
+                    folded = b.add(folded, part)
+                value = b.call(k.fma(register), [b.sitofp(folded, register), k.splat(scale, AVX2_LANES), b.load(total)])
+                for offset, block_sum in zip(chunks(offsets), chunks(sums), strict=True):
+                    value = b.call(k.fma(register), [offset, block_sum, value])
+                b.store(value, total)
+
             def superblocks_of(size: int) -> None:
                 """`by_superblock` matrices (Q4_K, Q3_K, Q2_K, Q5_K, Q6_K): x has one dx a
                 superblock, so the sub-block scales multiply its int32 products in integers
@@ -453,8 +478,8 @@ def _dots(rows: int, outs: int, unpacked: bool):  # noqa: ANN202  (a Numba intri
                 # made products of 64-256 rows 4-20% faster. Q4_K's and Q5_K's 8 keep their own, which
                 # widening them to 16 lanes made 3-7% slower at a decode step's 1-4 rows (figures:
                 # docs/PERFORMANCE.md, measurements behind code choices).
-                merged = per == step.lanes
-                acc = accumulators(step.lanes)
+                merged = per == step.lanes or not VNNI
+                acc = accumulators(step.lanes if VNNI else AVX2_LANES)
                 acc_offset = acc if merged else accumulators(per)
                 with cgutils.for_range(b, b.udiv(values, ir.Constant(I64, SUPERBLOCK))) as loop:
                     first_block = b.mul(loop.index, ir.Constant(I64, per))
@@ -479,6 +504,9 @@ def _dots(rows: int, outs: int, unpacked: bool):  # noqa: ANN202  (a Numba intri
                         factor = b.load(k.at(super_row, factors))
                         m = k.expand(mrow, first_block, per, k.dtypes[2], k.at(super_row, b.add(factors, ir.Constant(I64, 1))))
                         for r in range(rows):
+                            if not VNNI:
+                                scale_superblock_avx2(integer[j][r], b.fmul(factor, dxs[r]), m, sums[r], acc[j][r])
+                                continue
                             scaled = k.splat(b.fmul(factor, dxs[r]), step.lanes)
                             b.store(b.call(k.fma(lanes), [b.sitofp(integer[j][r], lanes), scaled, b.load(acc[j][r])]),
                                     acc[j][r])
