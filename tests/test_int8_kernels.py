@@ -55,6 +55,25 @@ def test_int8_products_are_the_products_of_x_rounded_to_int8(qtype: GGMLQuantiza
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize(("qtype", "byte"), [(T.Q8_0, 0x7F), (T.Q8_0, 0x80), (T.Q6_K, 0xFF), (T.Q4_K, 0xFF),
+                                             (T.IQ4_NL, 0x00), (T.Q3_K, 0xFF)],
+                         ids=["Q8_0 127", "Q8_0 -128", "Q6_K 63", "Q4_K 15", "IQ4_NL -127", "Q3_K 7"])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_the_largest_values_against_the_largest_x_do_not_overflow(qtype: GGMLQuantizationType, byte: int, sign: int,
+                                                                     int8_dots: None) -> None:
+    """Every value at its type's extreme against x rounded to +-127 everywhere: each pair of byte
+    products at its largest, where AVX2's int16 pair sums (`vpmaddubsw`) would saturate if a
+    form's bound did not hold; the product is still the float64 one."""
+    matrix, _ = encoded_matrix(qtype, 37, 512)
+    matrix.q.view(np.uint8)[:] = byte
+    values = matrix[np.arange(len(matrix))]
+    x = np.full((3, 512), sign, np.float32)
+    want = x.astype(np.float64) @ values.T.astype(np.float64)
+    got = matrix.times(x)
+    assert np.abs(got - want).max() <= 2e-6 * float(np.abs(want).max()), qtype.name
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q4_0, T.Q6_K], ids=lambda t: t.name)
 def test_a_row_that_is_not_finite_gives_nan_and_leaves_the_others_alone(qtype: GGMLQuantizationType,
                                                                         int8_dots: None) -> None:

@@ -137,6 +137,13 @@ def _vector(element: ir.Type, count: int) -> ir.VectorType:
     return ir.VectorType(element, count)
 
 
+def _chunks(b: ir.IRBuilder, vector: ir.Value, count: int) -> list[ir.Value]:
+    """`vector` as `count` equal vectors of consecutive lanes (512 bits as AVX2's two 256)."""
+    width = vector.type.count // count
+    return [b.shuffle_vector(vector, vector, ir.Constant(_vector(I32, width), list(range(c * width, (c + 1) * width))))
+            for c in range(count)]
+
+
 class _Step:
     """One step's IR: `width` values of a matrix row of dtype `values` against int8 x rows, block
     size `size`. Every form but INT8 is in the nibbles' lane order; NIBBLES, SIXBITS, THREEBITS and
@@ -164,12 +171,6 @@ class _Step:
     def _intrinsic(self, name: str, result: ir.Type, *arguments: ir.Type) -> ir.Function:
         return cgutils.get_or_insert_function(self.b.module, ir.FunctionType(result, arguments), name)
 
-    def _chunks(self, vector: ir.Value, count: int) -> list[ir.Value]:
-        """`vector` as `count` equal vectors of consecutive lanes (512 bits as AVX2's 256)."""
-        width = vector.type.count // count
-        return [self.b.shuffle_vector(vector, vector, ir.Constant(_vector(I32, width), list(range(c * width, (c + 1) * width))))
-                for c in range(count)]
-
     def _joined(self, chunks: list[ir.Value]) -> ir.Value:
         """`_chunks`' inverse: the vectors' lanes one after another (a power of two of them)."""
         while len(chunks) > 1:
@@ -182,7 +183,7 @@ class _Step:
         """AVX2 instruction `name` (taking vectors of `bits` and giving `result`'s lanes' type) on
         each register-wide chunk of `vectors`, joined: a 512-bit vector is two 256-bit registers."""
         count = max(1, vectors[0].type.count * vectors[0].type.element.width // bits)
-        chunked = [self._chunks(v, count) for v in vectors]
+        chunked = [_chunks(self.b, v, count) for v in vectors]
         lanes = _vector(result, bits // result.width)
         function = self._intrinsic(name, lanes, *(c[0].type for c in chunked))
         return self._joined([self.b.call(function, list(parts)) for parts in zip(*chunked, strict=True)])
@@ -329,11 +330,11 @@ class _Step:
         """`q . xq` per int32 lane, as (vector, its lanes' blocks); the two vectors are added
         when their lanes hold the same blocks (nibbles of blocks of 32)."""
         b = self.b
-        dot = self.dot if self.unsigned else self.signed_dot
-        pairs = list(zip(weights, xs, strict=True))
         if not VNNI and self.unsigned:
             return [(self.widened(pair_sums), lane_map)
                     for pair_sums, lane_map in zip(self.pair_sums_of(weights, xs), self.product_maps, strict=True)]
+        dot = self.dot if self.unsigned else self.signed_dot
+        pairs = list(zip(weights, xs, strict=True))
         if len(self.product_maps) == 1:
             product = dot(dot(self.zero, *pairs[0]), *pairs[1])
             if sums is not None:
@@ -448,19 +449,16 @@ def _dots(rows: int, outs: int, unpacked: bool):  # noqa: ANN202  (a Numba intri
                 terms (`offsets` times x's block `sums`) folded into the same register: a 4 x 1
                 tile's accumulators then stay in registers (Q4_K's products of 64-512 rows 1.1-1.3x faster;
                 figures: docs/PERFORMANCE.md). The float sums differ from VNNI's in rounding only."""
-                def chunks(vector: ir.Value) -> list[ir.Value]:
-                    count = vector.type.count // AVX2_LANES
-                    return [b.shuffle_vector(vector, vector, ir.Constant(_vector(I32, AVX2_LANES),
-                                                                          list(range(c * AVX2_LANES, (c + 1) * AVX2_LANES))))
-                            for c in range(count)]
+                def registers(vector: ir.Value) -> list[ir.Value]:
+                    return _chunks(b, vector, vector.type.count // AVX2_LANES)
 
                 register = _vector(F32, AVX2_LANES)
-                parts = chunks(integer)
+                parts = registers(integer)
                 folded = parts[0]
                 for part in parts[1:]:
                     folded = b.add(folded, part)
                 value = b.call(k.fma(register), [b.sitofp(folded, register), k.splat(scale, AVX2_LANES), b.load(total)])
-                for offset, block_sum in zip(chunks(offsets), chunks(sums), strict=True):
+                for offset, block_sum in zip(registers(offsets), registers(sums), strict=True):
                     value = b.call(k.fma(register), [offset, block_sum, value])
                 b.store(value, total)
 
