@@ -80,6 +80,7 @@ def test_passes_that_slow_down_for_both_counts_do_not_keep_trying_the_slower_one
     run(tuner, {1: 0.012, 2: 0.007}, 10, rows=4)
     assert run(tuner, {1: 0.019, 2: 0.0125}, 300, rows=4).count(1) <= 12
 
+
 def test_a_trial_is_not_lost_to_waking_the_other_count_s_threads() -> None:
     """The first pass after a switch of count ran 1.3-1.5 ms slower: once the core is free again,
     the first trial of two threads must win, not lose to that pass."""
