@@ -11,6 +11,7 @@ import os
 os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
 import lmserve.engine_cpu.numba_linking  # noqa: E402, F401  (before anything compiles)
+import lmserve.engine_cpu.numba_stamps  # noqa: E402, F401  (before any kernel is defined)
 from lmserve.engine.protocol import CacheFullError  # noqa: E402  (after the setting above)
 from lmserve.engine_cpu.cache import CPUCache  # noqa: E402
 from lmserve.engine_cpu.engine import CPUEngine  # noqa: E402
