@@ -127,8 +127,8 @@ def test_a_prompts_passes_keep_a_small_scores_buffer_and_drop_a_large_one(smollm
     (BLAS's passes: the AMX tiles' keep a row tile's scores in a buffer of each thread's own.)"""
     monkeypatch.setenv("LMSERVE_CPU_TILES", "off")  # amx_kernels.ENV (which imports Numba)
     ids = list(range(100, 400))
-    monkeypatch.setattr(engine_module, "FORWARD_CHUNK", 128)  # passes of 128, 128 and 44 rows
-    largest = smollm2.config.n_heads * 128 * 256 * 4  # the second pass's scores
+    monkeypatch.setattr(engine_module, "FORWARD_CHUNK", 128)  # passes of 100 rows, evened out
+    largest = smollm2.config.n_heads * 100 * 300 * 4  # the third pass's scores
     kept = smollm2.prefill(smollm2.new_cache(len(ids)), ids, all_logits=True)
     assert smollm2._scratch.nbytes >= largest
     monkeypatch.setattr(engine_module, "KEPT_SCRATCH", largest - 1)  # each pass's is dropped past it

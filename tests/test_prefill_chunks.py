@@ -1,8 +1,9 @@
-"""How the worker cuts a prompt into prefill chunks (serving/scheduler.py): `prefill_chunk` tokens
-a loop turn while another stream decodes, since that stream's next token waits on each chunk, and
-at least LONE_PREFILL_CHUNK while none does, where the NumPy engine's larger passes run faster.
-On the NumPy engine, a prompt's passes are 512 rows, and a long prompt's halve once their
-attention scores would pass SCORES_BUDGET."""
+"""How the worker cuts a prompt into prefill chunks (serving/scheduler.py): at most `prefill_chunk`
+tokens a loop turn while another stream decodes, since that stream's next token waits on each
+chunk, and up to LONE_PREFILL_CHUNK while none does, where the NumPy engine's larger passes run
+faster; a prompt's chunks evened out. On the NumPy engine, a prompt's passes are the fewest of at
+most 2,048 rows (fewer where its activations would pass ACTIVATION_BUDGET), evened out, and a long
+prompt's halve while their attention scores would pass SCORES_BUDGET."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from tests.families import Fixture
 
 pytestmark = pytest.mark.fast
 
-PROMPT = 1200
+PROMPT = 3000
 
 
 class ChunkLog(TrackingEngine):
@@ -61,7 +62,7 @@ async def _events(job: GenerationJob) -> list[Event]:
 def _serve(model, prompts: list[tuple[list[int], int]]) -> tuple[ChunkLog, list[list[Event]]]:
     """Submit each (prompt, max_tokens) once the one before it has streamed its first token."""
     engine = ChunkLog(CPUEngine(model.gguf, model.config))
-    scheduler = Scheduler(engine, model.tokenizer, SlotPool(engine, len(prompts), 2048), max_batch=len(prompts))
+    scheduler = Scheduler(engine, model.tokenizer, SlotPool(engine, len(prompts), 4096), max_batch=len(prompts))
     engine.scheduler = scheduler
     no_end = list(model.tokenizer.eog_ids)
 
@@ -92,13 +93,18 @@ def test_a_lone_prompt_goes_in_larger_chunks_than_one_beside_a_decoding_stream(s
     assert all(isinstance(events[-1], Finished) for events in replies)
     beside = [n for n, decoding in engine.chunks if decoding]
     alone = [n for n, decoding in engine.chunks[1:] if not decoding]  # the first prompt's one chunk aside
-    assert beside and max(beside) == PREFILL_CHUNK  # the stream waits one 256-token chunk at most
-    assert alone == [] or alone[:-1] == [LONE_PREFILL_CHUNK] * (len(alone) - 1)
+    assert beside and PREFILL_CHUNK // 2 < max(beside) <= PREFILL_CHUNK  # the stream waits one chunk at most
+    assert alone == [] or _evened(alone, LONE_PREFILL_CHUNK)
     assert sum(n for n, _ in engine.chunks) == 8 + PROMPT
 
     engine, replies = _serve(smollm2, [(ids, 2)])
     assert isinstance(replies[0][-1], Finished)
-    assert engine.chunks == [(512, 0), (512, 0), (PROMPT - 1024, 0)]
+    assert engine.chunks == [(PROMPT // 2, 0), (PROMPT // 2, 0)]  # not 2,048 and 952
+
+
+def _evened(chunks: list[int], most: int) -> bool:
+    """Whether `chunks` are the fewest of at most `most` that their sum takes, within one of each other."""
+    return len(chunks) == -(-sum(chunks) // most) and max(chunks) - min(chunks) <= 1
 
 
 class PassLog(CPUEngine):
@@ -120,13 +126,24 @@ def _passes(gguf_path, tokens: int) -> list[int]:
     return engine.passes
 
 
-def test_a_prompts_passes_are_512_rows(smollm2_path) -> None:
-    assert _passes(smollm2_path, 1100) == [512, 512, 76]
-    assert _passes(Fixture("qwen3moe", "Q4_K_M").path, 600) == [512, 88]
+def test_a_prompts_passes_are_the_fewest_of_at_most_2048_rows_evened_out(smollm2_path) -> None:
+    assert _passes(smollm2_path, 1100) == [1100]
+    assert _passes(smollm2_path, 2500) == [1250, 1250]  # not 2,048 and 452
+    assert _passes(Fixture("qwen3moe", "Q4_K_M").path, 600) == [600]
+
+
+def test_a_wide_models_passes_take_fewer_rows(smollm2_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass's widest activations stay within ACTIVATION_BUDGET: SmolLM2's FFN gate and up
+    outputs (2 x 1,536 floats a row) at a budget of 600 rows' worth."""
+    config = load_model(smollm2_path).config
+    monkeypatch.setattr(engine_module, "ACTIVATION_BUDGET", 600 * 2 * config.ffn_size * 4)
+    assert _passes(smollm2_path, 1100) == [550, 550]
 
 
 def test_a_long_prompts_passes_halve_past_the_scores_budget(smollm2_path, monkeypatch: pytest.MonkeyPatch) -> None:
     heads = load_model(smollm2_path).config.n_heads
-    # Scores of 512 rows fit while they see at most 512 positions: the second pass halves.
+    # Scores of 512 rows fit while they see at most 512 positions: 1,100 rows halve to 550 and
+    # then to 275, which fit until they see 1,100 positions; the last 275 rows take the floor,
+    # LONG_PASS_ROWS, as two evened passes.
     monkeypatch.setattr(engine_module, "SCORES_BUDGET", heads * 512 * 512 * 4)
-    assert _passes(smollm2_path, 1100) == [512, 256, 256, 76]
+    assert _passes(smollm2_path, 1100) == [275, 275, 275, 138, 137]

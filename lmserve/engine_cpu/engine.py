@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lmserve.engine.chunks import even_chunk
 from lmserve.engine.kv_types import AUTO, KV_TYPES, check_head_sizes
 from lmserve.engine.protocol import Engine, check_token_ids, verify_rows
 from lmserve.engine_cpu import decode_layer, delta_net, ops
@@ -42,7 +43,12 @@ from lmserve.engine_cpu.weights import DeltaNetWeights, kept_forms, load_weights
 from lmserve.model.config import ModelConfig
 from lmserve.model.gguf_file import GGUFFile
 
-FORWARD_CHUNK = 512  # prompt tokens a forward pass at most (`_pass_rows`)
+FORWARD_CHUNK = 2048  # prompt tokens a forward pass at most (`_pass_rows`), as mlx-lm's prefill step
+LONG_PASS_ROWS = 256  # the fewest rows `_pass_rows` halves a pass to (a long prompt's, for its scores)
+# Bytes of a pass's widest activations (a row's FFN or experts' gate and up outputs, or its Q, K
+# and V) past which a pass takes fewer rows: a dense 8B model's gate and up outputs are 112 KiB a
+# row, so its passes take about 1,170 rows; SmolLM2's and the synthetic MoE's the whole 2,048.
+ACTIVATION_BUDGET = 128 * 2**20
 # Passes of up to this many rows have their kernels' thread count tuned (`ThreadTuner`): verify
 # passes of several streams and short prompts as well as decode steps. With a core busy, served MoE
 # verify passes of 32-64 rows on every thread took 400-770 ms where a 24-row pass on one took 59.
@@ -175,20 +181,30 @@ class CPUEngine(Engine[CPUCache]):
         """Forward passes over `ids`, appended to the cache, yielding each pass's last hidden states."""
         start = 0
         while start < len(ids):
-            rows = self._pass_rows(cache.length)
+            rows = self._pass_rows(cache.length, len(ids) - start)
             yield self._forward(ids[start:start + rows], [cache])
             start += rows
 
-    def _pass_rows(self, position: int) -> int:
-        """FORWARD_CHUNK rows for a pass from `position`: SmolLM2's prompt ran 1.09-1.12x faster in
-        passes of 512 rows than of 256, and the synthetic MoE's 1.21-1.30x with another process
-        busy on a core (0.95x idle; docs/PERFORMANCE.md). Half as many once the pass's attention
-        scores (every query head's row over every position seen) would pass SCORES_BUDGET: a long
-        prompt's then take what 256-row passes did."""
-        rows = FORWARD_CHUNK
-        if self.config.n_heads * rows * (position + rows) * 4 > SCORES_BUDGET:
-            rows = max(1, rows // 2)
-        return rows
+    def _pass_rows(self, position: int, left: int) -> int:
+        """The rows of the next pass from `position`, `left` rows to go: the fewest passes of at
+        most `_most_rows`, evened out (`even_chunk`). Each pass unpacks a MoE's experts and runs a
+        layer's Python once, so fewer, larger passes ran prompts 1.04-1.22x faster than 512-row ones
+        (docs/PERFORMANCE.md). Halved while the pass's attention scores (every query head's row
+        over every position seen, where BLAS takes them) would pass SCORES_BUDGET, down to
+        LONG_PASS_ROWS: a long prompt's."""
+        most = self._most_rows()
+        while True:
+            rows = even_chunk(left, most)
+            if most <= LONG_PASS_ROWS or self.config.n_heads * rows * (position + rows) * 4 <= SCORES_BUDGET:
+                return rows
+            most = max(LONG_PASS_ROWS, rows // 2)
+
+    def _most_rows(self) -> int:
+        """FORWARD_CHUNK, or fewer where a pass's widest activations would pass ACTIVATION_BUDGET."""
+        c = self.config
+        widest = max(2 * c.ffn_size, 2 * c.n_experts_used * c.expert_ffn_size,
+                     (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.hidden_size)
+        return min(FORWARD_CHUNK, max(LONG_PASS_ROWS, ACTIVATION_BUDGET // (4 * widest)))
 
     def decode(self, caches: Sequence[CPUCache], token_ids: Sequence[int]) -> np.ndarray:
         own = [_own(c) for c in caches]

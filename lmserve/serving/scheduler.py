@@ -4,7 +4,8 @@ Connection handlers submit jobs; the worker thread admits them up to `max_batch`
 decodes all running sequences together, one engine step per token. A job arriving while a batch
 runs is prefilled in chunks of `prefill_chunk` tokens, one chunk between two decode steps, so a
 long prompt never stalls the running streams for more than one chunk; it joins the batch once
-its prompt is in the cache. With no stream decoding, chunks are at least LONE_PREFILL_CHUNK. A
+its prompt is in the cache. With no stream decoding, chunks go up to LONE_PREFILL_CHUNK; a
+prompt's chunks are evened out (the fewest of at most that size, `even_chunk`). A
 cancelled job (client gone) is dropped from the queue at once and from the batch at the next step
 or chunk, giving back its slot.
 
@@ -40,6 +41,7 @@ import numpy as np
 
 from lmserve.chat.reply import ReplyDecoder
 from lmserve.core.events import Failed, Finished, Started
+from lmserve.engine.chunks import even_chunk
 from lmserve.engine.protocol import Engine
 from lmserve.model.tokenizer import Tokenizer
 from lmserve.serving.handle import SpeculationUsage
@@ -52,9 +54,10 @@ log = logging.getLogger("lmserve.scheduler")
 
 
 PREFILL_CHUNK = 256  # prompt tokens prefilled between two decode steps (0: the whole prompt at once)
-# Prompt tokens a loop turn while no stream decodes: no one's tokens wait on the chunk, and the
-# NumPy engine's 512-row passes ran prompts faster (`CPUEngine._pass_rows`, docs/PERFORMANCE.md).
-LONE_PREFILL_CHUNK = 512
+# Prompt tokens a loop turn at most while no stream decodes: no one's tokens wait on the chunk, and
+# the NumPy engine's larger passes ran prompts faster (`CPUEngine._pass_rows`, docs/PERFORMANCE.md);
+# mlx-lm's prefill step too. A prompt's chunks are evened out (`even_chunk`).
+LONE_PREFILL_CHUNK = 2048
 
 
 class QueueFull(Exception):
@@ -286,7 +289,7 @@ class Scheduler:
         first token, and the sequence joins the decoding batch."""
         seq = self._prefilling[0]
         prompt = seq.job.prompt_ids
-        end = len(prompt) if not self.prefill_chunk else min(len(prompt), seq.fed + self._chunk_size())
+        end = len(prompt) if not self.prefill_chunk else seq.fed + even_chunk(len(prompt) - seq.fed, self._chunk_size())
         if self.checkpoints:
             end = self._checkpointed_end(seq, end)
         try:
@@ -306,8 +309,8 @@ class Scheduler:
             self._fail(seq, exc)
 
     def _chunk_size(self) -> int:
-        """`prefill_chunk` while streams decode (it bounds how long their next token waits), at
-        least LONE_PREFILL_CHUNK while none does."""
+        """The most tokens of the next chunk: `prefill_chunk` while streams decode (it bounds how
+        long their next token waits), at least LONE_PREFILL_CHUNK while none does."""
         return self.prefill_chunk if self._active else max(self.prefill_chunk, LONE_PREFILL_CHUNK)
 
     def _checkpointed_end(self, seq: _Sequence, end: int) -> int:
