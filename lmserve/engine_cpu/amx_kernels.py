@@ -320,10 +320,25 @@ def _unpack_planes(recipe: Recipe):  # noqa: ANN202  (a Numba intrinsic)
                             row = k.at(k.data(1), b.mul(ir.Constant(I64, plane * ROWS + j), blocks))
                             lanes = _lane_digits(k, row, at, size, half)
                             target = k.row(2, ir.Constant(I64, plane * ROWS + j))
-                            b.store(b.mul(vector, lanes), b.bitcast(k.at(target, at), bytes_.as_pointer()), align=1)
+                            b.store(_times_digits(b, vector, lanes, recipe.signed), b.bitcast(k.at(target, at), bytes_.as_pointer()),
+                                    align=1)
             return context.get_dummy_value()
         return types.void(q, digits, unpacked, o0), codegen
     return unpack
+
+
+def _times_digits(b: ir.IRBuilder, values: ir.Value, digits: ir.Value, signed: bool) -> ir.Value:
+    """Each byte of `values` times its byte of `digits`. Unsigned, as 16-bit words: a word's two
+    values lie in one block, whose digit the word's low byte holds, and each product (at most
+    Q4_K's 15 x 15 or Q5_K's 31 x 7) fits its byte without a carry into the other: one `vpmullw`
+    where LLVM's byte product takes about eight instructions (Q4_K's grouped product of a MoE
+    pass, 2,048 rows over 32 experts: 9.2 -> 8.3 ms). Signed (Q6_K's centered values), a
+    negative low byte's product would carry into the high one: the byte product."""
+    if signed:
+        return b.mul(values, digits)
+    words = ir.VectorType(ir.IntType(16), values.type.count // 2)
+    digit = b.and_(b.bitcast(digits, words), ir.Constant(words, [0xFF] * words.count))
+    return b.bitcast(b.mul(b.bitcast(values, words), digit), values.type)
 
 
 def _lane_digits(k: Builder, row: ir.Value, at: ir.Value, size: ir.Value, lanes: int) -> ir.Value:
