@@ -135,7 +135,7 @@ def test_non_streaming_hang_up_during_the_prefill_never_generates(server, dialec
     wait_for(lambda: health(server)["active_sequences"] == 1)  # admitted: its prompt is being prefilled
     sock.close()
     assert_idle(server)
-    assert health(server)["tokens_generated"] == before  # dropped between two prefill chunks
+    assert health(server)["tokens_generated"] == before  # dropped after its prefill chunk, before a token
     assert access_line(server, f"prefill-{dialect}")["outcome"] == "client_closed"
 
 

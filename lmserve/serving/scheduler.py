@@ -286,7 +286,9 @@ class Scheduler:
 
     def _prefill_chunk(self) -> None:
         """Feed the next chunk of the oldest admitted prompt; the last chunk's logits give the
-        first token, and the sequence joins the decoding batch."""
+        first token, and the sequence joins the decoding batch. One whose client left during the
+        chunk (a lone prompt's chunk may be its whole prompt) gets no token: the next loop turn
+        drops it."""
         seq = self._prefilling[0]
         prompt = seq.job.prompt_ids
         end = len(prompt) if not self.prefill_chunk else seq.fed + even_chunk(len(prompt) - seq.fed, self._chunk_size())
@@ -297,7 +299,7 @@ class Scheduler:
             seq.fed = end
             if self.checkpoints:
                 self.engine.checkpoint(seq.cache)
-            if end < len(prompt):
+            if end < len(prompt) or seq.job.cancelled.is_set():
                 return
             self._prefilling.popleft()
             if not self._advance(seq, logits=logits):
