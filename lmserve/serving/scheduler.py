@@ -312,7 +312,8 @@ class Scheduler:
 
     def _chunk_size(self) -> int:
         """The most tokens of the next chunk: `prefill_chunk` while streams decode (it bounds how
-        long their next token waits), at least LONE_PREFILL_CHUNK while none does."""
+        long their next token waits); while none does, LONE_PREFILL_CHUNK (or `prefill_chunk`
+        where that is larger)."""
         return self.prefill_chunk if self._active else max(self.prefill_chunk, LONE_PREFILL_CHUNK)
 
     def _checkpointed_end(self, seq: _Sequence, end: int) -> int:
