@@ -6,8 +6,9 @@ core was taken: SmolLM2's decode fell from 50 to 2 tok/s, where one thread still
 laptops and CI runners are rarely idle, and the load changes while a server runs, so the count is
 not fixed at start: the tuner runs each pass shape (by its row count) with its best count so far,
 now and then tries another count, and keeps whichever the measured times favour. A trial that
-loses waits twice as long before the next one, so a machine whose load holds steady pays for
-trials rarely; a best count whose passes grow much slower than they were (load arrived) gets a
+loses waits twice as long before the next one (every thread's count, beaten by far more than a
+slowdown that sets off a trial, the longest wait at once), so a machine whose load holds steady
+pays for trials rarely; a best count whose passes grow much slower than they were (load arrived) gets a
 trial at once, and if it keeps winning, its slower pace is what later passes are held against:
 held against its fastest ever, four served MoE streams (two threads 12-13 ms a pass, one 19,
 after 7 ms ones early on) tried one thread at every other pass and ran two thirds of them there.
@@ -45,7 +46,7 @@ class _Shape:
     lowest: float = float("inf")  # the lowest median the best count reached
     warm: bool = False  # whether the best count has run a pass (the first starts its threads: not a measure)
     wait: int = FIRST_TRIAL
-    until_trial: int = 2  # the first trial comes early: a busy machine is found out at once
+    until_trial: int = 3  # the first trial comes early (after the best count's first measured pass): a busy machine is found out at once
     trial_left: int = 0  # passes of the running trial still to come
     trial_fastest: float = float("inf")  # the running trial's fastest pass so far
     passes: int = 0  # passes of this shape so far
@@ -137,8 +138,18 @@ class ThreadTuner:
             shape.recent.clear()
             shape.recent.append(shape.trial_fastest)
         else:  # the best count's pace now is the one to hold later passes against
-            shape.lowest, shape.wait = shape.median(), min(LAST_TRIAL, shape.wait * 2)
+            shape.lowest, shape.wait = shape.median(), self._next_wait(shape)
         shape.until_trial = shape.wait
+
+    def _next_wait(self, shape: _Shape) -> int:
+        """Passes until the next trial after one that lost: twice the last wait, or at once the
+        longest where every thread's count won by more than a slowdown that sets off a trial
+        (SLOWED) could take back. Fewer threads win only when load slows every thread's passes,
+        and that sets off a trial anyway; on an idle machine each lost trial of one thread cost a
+        served MoE reply two passes 1.6-1.8x slower (about 3% of 128 tokens)."""
+        if shape.best == self.counts[-1] and shape.trial_fastest >= SLOWED * MARGIN * shape.median():
+            return LAST_TRIAL
+        return min(LAST_TRIAL, shape.wait * 2)
 
 
 def blas_threads() -> Callable[[int], None]:
