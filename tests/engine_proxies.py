@@ -72,7 +72,13 @@ class TrackingEngine(Engine[C]):
         return self.engine.new_cache(capacity)
 
     def prefill(self, cache: C, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        logits = self.engine.prefill(cache, token_ids, all_logits)
+        return self._prefilled(cache, token_ids, self.engine.prefill(cache, token_ids, all_logits))
+
+    def prefill_together(self, caches: Sequence[C], token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        rows = self.engine.prefill_together(caches, token_ids)
+        return np.stack([self._prefilled(cache, ids, logits) for cache, ids, logits in zip(caches, token_ids, rows, strict=True)])
+
+    def _prefilled(self, cache: C, token_ids: Sequence[int], logits: np.ndarray) -> np.ndarray:
         held = self.held(cache)
         held.tokens += [int(t) for t in token_ids]
         held.prompt, held.decodes = len(held.tokens), 0

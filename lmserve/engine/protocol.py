@@ -126,6 +126,13 @@ class Engine(Protocol[C]):
         or of every new position `[len(token_ids), vocab]` when `all_logits`."""
         ...
 
+    def prefill_together(self, caches: Sequence[C], token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        """Prompts that arrived together: appends each `token_ids[i]` (one or more) to
+        `caches[i]` (distinct caches) and returns the logits of each list's last position
+        `[batch, vocab]`. Here one prefill after another; an engine that can runs them as one pass
+        (shorter lists padded, as `verify` pads them), each weight read once for all of them."""
+        return np.stack([self.prefill(cache, ids) for cache, ids in zip(caches, token_ids, strict=True)])
+
     def embed(self, token_ids: Sequence[int]) -> np.ndarray:
         """The final hidden states of `token_ids` run as one sequence from position 0: every
         position's, after the output norm and before the output head, float32 `[n, hidden]`
@@ -184,11 +191,12 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
 
 
 def verify_rows(caches: Sequence[KVCache], token_ids: Sequence[Sequence[int]],
-                vocab_size: int) -> tuple[list[int], np.ndarray]:
-    """`verify`'s arguments checked (distinct caches, one list of one or more ids each) and padded
-    to the longest with each list's own last token: (the lists' lengths, int64 ids `[batch, width]`)."""
+                vocab_size: int, what: str = "verify") -> tuple[list[int], np.ndarray]:
+    """`verify`'s (or `prefill_together`'s) arguments checked (distinct caches, one list of one or
+    more ids each) and padded to the longest with each list's own last token: (the lists'
+    lengths, int64 ids `[batch, width]`)."""
     lists = [check_token_ids(ids, vocab_size) for ids in token_ids]
     if not lists or len(caches) != len(lists) or len({id(c) for c in caches}) != len(caches) or not all(map(len, lists)):
-        raise ValueError("verify needs distinct caches, each with one or more tokens")
+        raise ValueError(f"{what} needs distinct caches, each with one or more tokens")
     width = max(map(len, lists))
     return [len(ids) for ids in lists], np.stack([np.pad(ids, (0, width - len(ids)), mode="edge") for ids in lists])

@@ -162,6 +162,21 @@ class CPUEngine(Engine[CPUCache]):
         (h,) = collections.deque(chunks, maxlen=1)  # every chunk runs; the last one's last row gives the logits
         return self._logits(h[-1:])[0]
 
+    def prefill_together(self, caches: Sequence[CPUCache], token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        """One pass for every prompt where they fit one (`_most_rows`, padding included) and no
+        recurrent state would see the padding: each expert and matrix is read once for all. A MoE
+        prompt of 15-22 tokens routes to nearly every expert, so four that arrived together took
+        four passes of 27-49 ms each on the synthetic MoE (docs/PERFORMANCE.md)."""
+        own = [_own(c) for c in caches]
+        lengths, ids = verify_rows(own, token_ids, self.config.vocab_size, "prefill_together")
+        width = ids.shape[1]
+        if self.config.is_hybrid or ids.size > self._most_rows():
+            return super().prefill_together(caches, token_ids)
+        for c in own:
+            c.reserve(c.length + width)
+        h = self._forward(ids.reshape(-1), own, lengths)
+        return self._logits(h[np.arange(len(own)) * width + np.array(lengths) - 1])
+
     def embed(self, token_ids: Sequence[int]) -> np.ndarray:
         """The prompt's pass on a cache of exactly its length, made here and dropped after: the
         output norm's result of every chunk, no head."""

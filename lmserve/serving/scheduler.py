@@ -58,6 +58,9 @@ PREFILL_CHUNK = 256  # prompt tokens prefilled between two decode steps (0: the 
 # the NumPy engine's larger passes ran prompts faster (`CPUEngine._pass_rows`, docs/PERFORMANCE.md);
 # mlx-lm's prefill step too. A prompt's chunks are evened out (`even_chunk`).
 LONE_PREFILL_CHUNK = 2048
+# Prompts fed in one pass (`Scheduler._together`) pad to the longest: at most this many rows for
+# each real one, beyond which the padding costs more than the weights' second read saves.
+PADDING = 1.5
 
 
 class QueueFull(Exception):
@@ -288,7 +291,12 @@ class Scheduler:
         """Feed the next chunk of the oldest admitted prompt; the last chunk's logits give the
         first token, and the sequence joins the decoding batch. One whose client left during the
         chunk (a lone prompt's chunk may be its whole prompt) gets no token: the next loop turn
-        drops it."""
+        drops it. Prompts that arrived together and fit one chunk are fed in one pass
+        (`_together`)."""
+        together = self._together()
+        if len(together) > 1:
+            self._prefill_together(together)
+            return
         seq = self._prefilling[0]
         prompt = seq.job.prompt_ids
         end = len(prompt) if not self.prefill_chunk else seq.fed + even_chunk(len(prompt) - seq.fed, self._chunk_size())
@@ -309,6 +317,59 @@ class Scheduler:
             if self._prefilling and self._prefilling[0] is seq:
                 self._prefilling.popleft()
             self._fail(seq, exc)
+
+    def _together(self) -> list[_Sequence]:
+        """The oldest admitted prompt and others after it that one pass can finish: their rests'
+        rows padded to the longest (`Engine.prefill_together`) within a chunk and at most PADDING
+        times their own, each within its cache's room. None for a hybrid model, whose prompts end
+        at checkpoints."""
+        if self.checkpoints or len(self._prefilling) < 2:
+            return []
+        most, chosen, width, rows = self._chunk_size(), [], 0, 0
+        for seq in self._prefilling:
+            left = len(seq.job.prompt_ids) - seq.fed
+            wider = max(width, left)
+            if (wider * (len(chosen) + 1) > most or wider * (len(chosen) + 1) > PADDING * (rows + left)
+                    or any(s.fed + wider > s.cache.capacity for s in [*chosen, seq])):
+                if not chosen:  # the oldest goes first, by itself
+                    return []
+                continue
+            chosen.append(seq)
+            width, rows = wider, rows + left
+        return chosen
+
+    def _prefill_together(self, together: list[_Sequence]) -> None:
+        """Feed these prompts' rests in one pass; each gets its first token and joins the batch
+        (one whose client left meanwhile gets none: the next loop turn drops it)."""
+        try:
+            rows = self.engine.prefill_together([s.cache for s in together],
+                                                [s.job.prompt_ids[s.fed:] for s in together])
+        except Exception as exc:  # one pass's failure fails its prompts, never the worker
+            log.exception("prefill failed")
+            self._stop_prefilling(together)
+            for seq in together:
+                self._fail(seq, exc)
+            return
+        for seq in together:
+            seq.fed = len(seq.job.prompt_ids)
+        # One whose client left meanwhile stays, for the next loop turn to drop (`_drop_cancelled`).
+        self._stop_prefilling([s for s in together if not s.job.cancelled.is_set()])
+        for seq, logits in zip(together, rows, strict=True):
+            if seq.job.cancelled.is_set():
+                continue
+            try:
+                done = self._advance(seq, logits=logits)
+            except Exception as exc:  # one sequence's failure leaves the others going
+                log.exception("sequence failed")
+                self._fail(seq, exc)
+                continue
+            if not done:
+                self._active.append(seq)
+
+    def _stop_prefilling(self, done: list[_Sequence]) -> None:
+        """Take these sequences out of the prefill queue (by identity)."""
+        gone = {id(seq) for seq in done}
+        self._prefilling = deque(seq for seq in self._prefilling if id(seq) not in gone)
 
     def _chunk_size(self) -> int:
         """The most tokens of the next chunk: `prefill_chunk` while streams decode (it bounds how
