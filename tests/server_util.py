@@ -104,9 +104,10 @@ def stop_process(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def chat_chunks(base_url: str, body: dict, timeout: float = 600) -> Iterator[dict]:
-    """The JSON chunks of one streaming `/v1/chat/completions` reply, as they arrive."""
-    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=timeout) as r:
+def chat_chunks(base_url: str, body: dict, timeout: float = 600, client: httpx.Client | None = None) -> Iterator[dict]:
+    """The JSON chunks of one streaming `/v1/chat/completions` reply, as they arrive; on `client`'s
+    connections where given (a new client's TLS set-up costs 20-30 ms of the request's time)."""
+    with (client or httpx).stream("POST", base_url + "/v1/chat/completions", json=body, timeout=timeout) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: {"):
