@@ -139,3 +139,15 @@ def test_one_thread_far_behind_is_not_tried_again_and_again_on_an_idle_machine()
     assert run(far, BUSY, 20)[-10:] == [1] * 10
     near = ThreadTuner(2, lambda n, wide: None, 24)
     assert run(near, {1: 0.0062, 2: 0.006}, LAST_TRIAL).count(1) > 2
+
+
+def test_a_new_pass_shape_skips_its_early_trial_where_the_decode_steps_settled() -> None:
+    """Idle, the decode steps' trials of one thread lost: a rarer shape (the last streams' 3-row
+    steps) keeps two threads rather than pay an early trial of one; where the decode steps have not
+    settled yet, a new shape tries the other count early."""
+    settled = ThreadTuner(2, lambda n, wide: None, 24)
+    run(settled, {1: 0.0105, 2: 0.006}, 200)
+    assert run(settled, {1: 0.019, 2: 0.012}, 100, rows=3) == [2] * 100
+    fresh = ThreadTuner(2, lambda n, wide: None, 24)
+    run(fresh, {1: 0.0105, 2: 0.006}, 2)
+    assert 1 in run(fresh, {1: 0.019, 2: 0.012}, 10, rows=3)

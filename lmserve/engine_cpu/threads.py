@@ -85,7 +85,7 @@ class ThreadTuner:
             return 0
         shape = self._shapes.get(rows)
         if shape is None:
-            shape = self._shapes[rows] = _Shape(best=self._first_count())
+            shape = self._shapes[rows] = self._new_shape()
         if not shape.trial_left:
             shape.until_trial -= 1
             if shape.until_trial <= 0 and len(self.counts) > 1:
@@ -97,13 +97,22 @@ class ThreadTuner:
         self._apply(count, wide=rows > self.narrow_rows)
         return count
 
-    def _first_count(self) -> int:
-        """A new shape's first count: the best of the shape that has run the most passes (the
+    def _new_shape(self) -> _Shape:
+        """A new shape starts from the best count of the shape that has run the most passes (the
         decode steps', whose trials found out the machine's load), every thread when none has.
         With a core busy, a new shape's first pass on every thread waited a time slice a region:
-        a served MoE's 20-row prompt took 150-190 ms, not 50."""
+        a served MoE's 20-row prompt took 150-190 ms, not 50. Where that count is every thread and
+        has since won a trial's comparison (its wait past FIRST_TRIAL: the machine is idle), the new
+        shape waits as long for its first trial: four served MoE streams' rarer shapes (a 16-row
+        verify pass, the last streams' 3-row steps) each ran an early trial of one thread at 1.5-1.6x
+        their two-thread time. On a busy machine a new shape tries every thread early: a wider pass
+        may favour it."""
         busiest = max(self._shapes.values(), key=lambda shape: shape.passes, default=None)
-        return self.counts[-1] if busiest is None else busiest.best
+        if busiest is None:
+            return _Shape(best=self.counts[-1])
+        if busiest.best == self.counts[-1] and busiest.wait > FIRST_TRIAL:
+            return _Shape(best=busiest.best, wait=busiest.wait, until_trial=busiest.wait)
+        return _Shape(best=busiest.best)
 
     def _apply(self, count: int, wide: bool) -> None:
         if getattr(self._applied, "setting", None) != (count, wide):
