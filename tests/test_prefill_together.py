@@ -35,10 +35,11 @@ def _greedy(engine: CPUEngine, caches: list[CPUCache], first: np.ndarray, steps:
     return tokens
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_prompts_fed_together_give_what_each_gives_alone(family: str) -> None:
+@pytest.mark.parametrize(("family", "kv_type"), [*((f, "f32") for f in FAMILIES), ("qwen3moe", "q8_0"),
+                                                ("llama3", "q4_0")])
+def test_prompts_fed_together_give_what_each_gives_alone(family: str, kv_type: str) -> None:
     model = load_model(Fixture(family, "Q8_0").path)
-    engine = CPUEngine(model.gguf, model.config)
+    engine = CPUEngine(model.gguf, model.config, kv_type=kv_type)
     rng = np.random.default_rng(3)
     prefix = rng.integers(10, model.config.vocab_size, PREFIX).tolist()
     prompts = [rng.integers(10, model.config.vocab_size, n).tolist() for n in LENGTHS]
