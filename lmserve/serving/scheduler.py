@@ -59,7 +59,8 @@ PREFILL_CHUNK = 256  # prompt tokens prefilled between two decode steps (0: the 
 # mlx-lm's prefill step too. A prompt's chunks are evened out (`even_chunk`).
 LONE_PREFILL_CHUNK = 2048
 # Prompts fed in one pass (`Scheduler._together`) pad to the longest: at most this many rows for
-# each real one, beyond which the padding costs more than the weights' second read saves.
+# each real one. A padding row costs what a real one does, so a 10-token prompt padded to a
+# 200-token one's length would cost more than the weights' second read that it saves.
 PADDING = 1.5
 
 
@@ -352,10 +353,12 @@ class Scheduler:
             return
         for seq in together:
             seq.fed = len(seq.job.prompt_ids)
-        # One whose client left meanwhile stays, for the next loop turn to drop (`_drop_cancelled`).
-        self._stop_prefilling([s for s in together if not s.job.cancelled.is_set()])
+        # One whose client left meanwhile stays, for the next loop turn to drop (`_drop_cancelled`);
+        # the flag is read once, so a client leaving now cannot leave its sequence in neither list.
+        staying = [s for s in together if not s.job.cancelled.is_set()]
+        self._stop_prefilling(staying)
         for seq, logits in zip(together, rows, strict=True):
-            if seq.job.cancelled.is_set():
+            if not any(seq is s for s in staying):
                 continue
             try:
                 done = self._advance(seq, logits=logits)
