@@ -164,9 +164,9 @@ class CPUEngine(Engine[CPUCache]):
 
     def prefill_together(self, caches: Sequence[CPUCache], token_ids: Sequence[Sequence[int]]) -> np.ndarray:
         """One pass for every prompt where they fit one (`_most_rows`, padding included) and no
-        recurrent state would see the padding: each expert and matrix is read once for all. A MoE
-        prompt of 15-22 tokens routes to nearly every expert, so four that arrived together took
-        four passes of 27-49 ms each on the synthetic MoE (docs/PERFORMANCE.md)."""
+        recurrent state would see the padding: each matrix is read once for all, and no decode
+        step runs between them. Four synthetic-MoE prompts of 12-22 tokens that arrived together
+        took four passes of 27-49 ms with decode steps between (docs/PERFORMANCE.md)."""
         own = [_own(c) for c in caches]
         lengths, ids = verify_rows(own, token_ids, self.config.vocab_size, "prefill_together")
         width = ids.shape[1]
