@@ -355,11 +355,9 @@ class Scheduler:
             seq.fed = len(seq.job.prompt_ids)
         # One whose client left meanwhile stays, for the next loop turn to drop (`_drop_cancelled`);
         # the flag is read once, so a client leaving now cannot leave its sequence in neither list.
-        staying = [s for s in together if not s.job.cancelled.is_set()]
-        self._stop_prefilling(staying)
-        for seq, logits in zip(together, rows, strict=True):
-            if not any(seq is s for s in staying):
-                continue
+        staying = [(s, logits) for s, logits in zip(together, rows, strict=True) if not s.job.cancelled.is_set()]
+        self._stop_prefilling([s for s, _ in staying])
+        for seq, logits in staying:
             try:
                 done = self._advance(seq, logits=logits)
             except Exception as exc:  # one sequence's failure leaves the others going
