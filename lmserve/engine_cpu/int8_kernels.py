@@ -604,6 +604,48 @@ _column = _by_rows(*(_dots(rows, 1, unpacked=False) for rows in (4, 2, 1)))
 _unpack_tile = _unpack(TILE_OUTS)
 
 
+# How far ahead of the matrix row it is on a thread asks the caches for the row it will reach, in
+# a decode step's products (`_columns`, `_grouped_columns`): their weights come from memory once a
+# step, one row after another, a row's products take less time than its bytes take to arrive, and
+# the hardware's prefetchers start over at each 4 KiB page and each expert. In bytes, so that wide
+# rows are not asked for further ahead than L1 holds (figures: docs/PERFORMANCE.md, measurements
+# behind code choices).
+PREFETCH_BYTES = 4096
+PREFETCH = 3  # `llvm.prefetch`'s locality: into every level, L1 included
+
+
+@intrinsic
+def _prefetch_row(typingctx, matrix, index):  # noqa: ANN001, ANN202, ARG001
+    """Ask the caches for row `index` of the 2-D C-contiguous `matrix`, a cache line at a time
+    (a hint: a row past the end faults nothing)."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        k = Builder(context, builder, signature, args)
+        b = builder
+        size = b.mul(k.columns(0), ir.Constant(I64, as_dtype(k.dtypes[0]).itemsize))
+        start = b.bitcast(k.row(0, args[1]), I8.as_pointer())
+        function = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
+                                                  "llvm.prefetch.p0i8")  # read, PREFETCH, data cache
+        with cgutils.for_range_slice(b, ir.Constant(I64, 0), size, ir.Constant(I64, 64)) as (offset, _):
+            b.call(function, [b.gep(start, [offset]), ir.Constant(I32, 0), ir.Constant(I32, PREFETCH), ir.Constant(I32, 1)])
+        return context.get_dummy_value()
+    return types.void(matrix, index), codegen
+
+
+@njit(inline="always", nogil=True)
+def _prefetch(q, scale, offset, supers, o):  # noqa: ANN001, ANN202
+    """Matrix row `o`'s values and scales into the caches (`_prefetch_row`)."""
+    _prefetch_row(q, o)
+    _prefetch_row(scale, o)
+    _prefetch_row(offset, o)
+    _prefetch_row(supers, o)
+
+
+@njit(inline="always", nogil=True)
+def _rows_ahead(q):  # noqa: ANN001, ANN202
+    """The matrix rows PREFETCH_BYTES of `q`'s values span (at least one)."""
+    return max(1, PREFETCH_BYTES // (q.shape[-1] * q.itemsize))
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _times(x, q, scale, offset, supers, layout, superblocks):  # noqa: ANN001, ANN202
     """x rounded to int8 (one call: a launch's own cost is a few microseconds, and a decode step
@@ -613,8 +655,7 @@ def _times(x, q, scale, offset, supers, layout, superblocks):  # noqa: ANN001, A
     xq, dx, xsum = _quantize(x, size, SUPERBLOCK if superblocks else size, layout)
     out = np.empty((x.shape[0], q.shape[0]), np.float32)
     if x.shape[0] <= COLUMN_ROWS:
-        for o in prange(q.shape[0]):
-            _column(xq, q, scale, offset, supers, dx, xsum, out, o, 0, x.shape[0], xq)
+        _columns(xq, q, scale, offset, supers, dx, xsum, out, _rows_ahead(q))
         return out
     tiles = -(-q.shape[0] // TILE_OUTS)
     for p in prange(PARTS):
@@ -632,12 +673,7 @@ def _grouped_times(x, q, scale, offset, supers, layout, superblocks, experts, fi
     out = np.empty((x.shape[0], q.shape[1]), np.float32)
     rows = q.shape[1]
     if np.max(firsts[1:] - firsts[:-1]) <= COLUMN_ROWS:
-        bounds = even_work(firsts, rows, PARTS)  # the threads' matrix rows by work
-        for p in prange(PARTS):
-            for t in range(bounds[p], bounds[p + 1]):
-                g, o = t // rows, t % rows
-                e = experts[g]
-                _column(xq, q[e], scale[e], offset[e], supers[e], dx, xsum, out, o, firsts[g], firsts[g + 1], xq)
+        _grouped_columns(xq, q, scale, offset, supers, dx, xsum, experts, firsts, out, _rows_ahead(q))
         return out
     tiles = -(-rows // TILE_OUTS)
     bounds = even_work(firsts, tiles, PARTS)  # the threads' tiles by work: groups' rows differ
@@ -649,6 +685,33 @@ def _grouped_times(x, q, scale, offset, supers, layout, superblocks, experts, fi
             _unpack_tile(q[e], scale[e], unpacked, o)
             _tiles(xq, q[e], scale[e], offset[e], supers[e], dx, xsum, out, o, firsts[g], firsts[g + 1], unpacked)
     return out
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _columns(xq, q, scale, offset, supers, dx, xsum, out, ahead):  # noqa: ANN001, ANN202
+    """`_times`' product for a few rows of x (quantized): a matrix row at a time on the threads,
+    each asking the caches for the row `ahead` rows on (0: for none, a benchmark's baseline)."""
+    for o in prange(q.shape[0]):
+        if ahead > 0 and o + ahead < q.shape[0]:
+            _prefetch(q, scale, offset, supers, o + ahead)
+        _column(xq, q, scale, offset, supers, dx, xsum, out, o, 0, xq.shape[0], xq)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _grouped_columns(xq, q, scale, offset, supers, dx, xsum, experts, firsts, out, ahead):  # noqa: ANN001, ANN202
+    """`_grouped_times`' product for groups of a few rows: the threads' matrix rows split by work,
+    each thread asking the caches for the row `ahead` on, in the next group's expert past this
+    one's last row (0: for none)."""
+    rows = q.shape[1]
+    bounds = even_work(firsts, rows, PARTS)
+    for p in prange(PARTS):
+        for t in range(bounds[p], bounds[p + 1]):
+            g, o = t // rows, t % rows
+            e = experts[g]
+            if ahead > 0 and t + ahead < bounds[PARTS]:
+                f, a = experts[(t + ahead) // rows], (t + ahead) % rows
+                _prefetch(q[f], scale[f], offset[f], supers[f], a)
+            _column(xq, q[e], scale[e], offset[e], supers[e], dx, xsum, out, o, firsts[g], firsts[g + 1], xq)
 
 
 @njit(parallel=True, cache=True, nogil=True)
