@@ -221,8 +221,8 @@ def print_out(text: str) -> None:
 
 # How long a thread holding the GIL keeps it while another waits (Python's default: 5 ms). The
 # worker needs it for the Python between its kernels, and may wait that long for a thread holding
-# it (the event loop's, writing tokens out): four served synthetic-MoE streams' steps took
-# 15.4-15.5 ms at 5 ms, 14.1-14.8 at 0.5-1 ms (aggregate 220-224 tok/s against 234-247), 15.0 at 0.2 ms.
+# it (the event loop's, writing tokens out); much shorter, the switches cost more than they save
+# (figures: docs/PERFORMANCE.md, measurements behind code choices).
 GIL_SWITCH_SECONDS = 0.001
 
 

@@ -165,8 +165,8 @@ class CPUEngine(Engine[CPUCache]):
     def prefill_together(self, caches: Sequence[CPUCache], token_ids: Sequence[Sequence[int]]) -> np.ndarray:
         """One pass for every prompt where they fit one (`_most_rows`, padding included) and no
         recurrent state would see the padding: each matrix is read once for all, and no decode
-        step runs between them. Four synthetic-MoE prompts of 12-22 tokens that arrived together
-        took four passes of 27-49 ms with decode steps between (docs/PERFORMANCE.md)."""
+        step runs between them (figures: docs/PERFORMANCE.md, "Served decode: prompts that arrive
+        together")."""
         own = [_own(c) for c in caches]
         lengths, ids = verify_rows(own, token_ids, self.config.vocab_size, "prefill_together")
         width = ids.shape[1]
